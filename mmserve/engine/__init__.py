@@ -1,0 +1,10 @@
+"""Engine client: the front-end of one vLLM engine over the EngineCore ZMQ protocol."""
+
+from .client import EngineClient, EngineClientConfig, EngineState
+from .errors import EngineDeadError, EngineError, EngineNotReadyError, EngineRequestError, EngineVersionError
+from .transport import EngineAddresses
+
+__all__ = [
+    "EngineAddresses", "EngineClient", "EngineClientConfig", "EngineDeadError", "EngineError",
+    "EngineNotReadyError", "EngineRequestError", "EngineState", "EngineVersionError",
+]

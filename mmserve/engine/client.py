@@ -1,0 +1,287 @@
+"""The front-end of one vLLM engine: request lifecycle over the EngineCore wire.
+
+Lifecycle: `start()` binds the sockets and completes the handshake; `generate()` sends an
+ADD and yields the engine's outputs for that request until it finishes; leaving the
+iteration early (stop string matched, client gone, task cancelled) sends an ABORT, so no
+request outlives its consumer; `close()` fails what is open and releases the sockets.
+
+An engine is declared dead, and every open request fails with `EngineDeadError`, when it
+says so (`ENGINE_CORE_DEAD`), when its TCP connection drops (a killed process), or when it
+leaves a cheap utility call unanswered for `health_check_timeout_s` (a hung process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from ..wire import EngineCoreOutput, EngineCoreRequest, EngineDeadMessage, OutputDecoder, ReadyResponse, RequestEncoder, SchedulerStats
+from .errors import EngineDeadError, EngineError, EngineNotReadyError
+from .transport import EngineAddresses, EngineTransport
+
+logger = logging.getLogger(__name__)
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DEAD = "dead"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class EngineClientConfig:
+    addresses: EngineAddresses
+    # vLLM loads the model before it answers; a large model can take minutes.
+    handshake_timeout_s: float = 900.0
+    health_check_interval_s: float = 1.0
+    # A utility call unanswered this long marks the engine hung. The engine answers between
+    # model steps, so this must exceed the longest step (a long prefill on a big model).
+    health_check_timeout_s: float = 10.0
+
+
+class _RequestStream:
+    """Outputs of one request, in arrival order; an exception ends the stream."""
+
+    __slots__ = ("queue", "finished")
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+
+class EngineClient:
+    def __init__(self, config: EngineClientConfig) -> None:
+        self.config = config
+        self.state = EngineState.STARTING
+        self.ready: ReadyResponse | None = None
+        self.death_reason: str | None = None
+        self.scheduler_stats: SchedulerStats | None = None
+        self._transport: EngineTransport | None = None
+        self._encoder = RequestEncoder()
+        self._decoder = OutputDecoder()
+        self._streams: dict[str, _RequestStream] = {}
+        self._utility_calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count(1)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ready_event = asyncio.Event()
+        self._start_error: BaseException | None = None
+        self.handshake_address: str | None = None
+        self.input_address: str | None = None
+        self.output_address: str | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def bind(self) -> None:
+        """Bind the sockets now, so an engine can connect before `start()` runs."""
+        if self._transport is None:
+            self._transport = EngineTransport(self.config.addresses)
+            self.handshake_address = self._transport.handshake_address
+            self.input_address = self._transport.input_address
+            self.output_address = self._transport.output_address
+
+    async def start(self) -> ReadyResponse:
+        """Bind, wait for the engine's handshake, then serve. Raises if the engine is unusable."""
+        self.bind()
+        assert self._transport is not None
+        try:
+            self.ready = await self._transport.handshake(self.config.handshake_timeout_s)
+        except BaseException as exc:
+            self._start_error = exc
+            self.state = EngineState.DEAD
+            self.death_reason = str(exc)
+            self._ready_event.set()
+            raise
+        # Watch for disconnects before anything else can go wrong.
+        monitor = self._transport.watch_disconnects()
+        self._tasks = [
+            asyncio.create_task(self._output_loop(), name="engine-outputs"),
+            asyncio.create_task(self._monitor_loop(monitor), name="engine-monitor"),
+            asyncio.create_task(self._health_loop(), name="engine-health"),
+        ]
+        self.state = EngineState.READY
+        self._ready_event.set()
+        logger.info(
+            "engine ready: vLLM %s, max_model_len=%d, dtype=%s, max_num_seqs=%d",
+            self.ready.vllm_version, self.ready.max_model_len, self.ready.dtype, self.ready.max_num_seqs,
+        )
+        return self.ready
+
+    async def wait_ready(self, timeout_s: float | None = None) -> ReadyResponse:
+        try:
+            await asyncio.wait_for(self._ready_event.wait(), timeout_s)
+        except TimeoutError:
+            raise EngineNotReadyError("the engine is still starting") from None
+        self._raise_if_unusable()
+        assert self.ready is not None
+        return self.ready
+
+    async def close(self) -> None:
+        if self.state is EngineState.CLOSED:
+            return
+        self._fail_everything(EngineDeadError("engine client closed"))
+        self.state = EngineState.CLOSED
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._transport is not None:
+            self._transport.close()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ----------------------------------------------------------------- requests
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[list[EngineCoreOutput]]:
+        """Send `request` and yield its outputs (batched as they arrived) until it finishes.
+
+        Closing or cancelling the iteration before the engine finished aborts the request.
+        """
+        self._raise_if_unusable()
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise EngineError(f"duplicate request id {request_id!r}")
+        stream = _RequestStream()
+        self._streams[request_id] = stream
+        try:
+            await self._send(self._encoder.encode_add(request))
+            while True:
+                item = await stream.queue.get()
+                batch: list[EngineCoreOutput] = []
+                while True:
+                    if isinstance(item, BaseException):
+                        raise item
+                    batch.append(item)
+                    if item.finished or stream.queue.empty():
+                        break
+                    item = stream.queue.get_nowait()
+                if batch[-1].finished:
+                    stream.finished = True
+                yield batch
+                if stream.finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.finished and self.state is EngineState.READY:
+                await self._abort_quietly(request_id)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self._send(self._encoder.encode_abort(request_ids))
+
+    async def call_utility(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Call an EngineCore method by name (vLLM's UTILITY message) and return its result."""
+        self._raise_if_unusable()
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        try:
+            await self._send(self._encoder.encode_utility(0, call_id, method, args))
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._utility_calls.pop(call_id, None)
+
+    # ----------------------------------------------------------------- internals
+
+    def _raise_if_unusable(self) -> None:
+        if self.state is EngineState.READY:
+            return
+        if self.state is EngineState.STARTING:
+            raise EngineNotReadyError("the engine is still starting")
+        raise EngineDeadError(self.death_reason or f"engine is {self.state.value}")
+
+    async def _send(self, frames: list) -> None:
+        assert self._transport is not None
+        try:
+            await self._transport.send(frames)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._declare_dead("engine is not connected to the input socket")
+                raise EngineDeadError(self.death_reason) from None
+            raise
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        try:
+            await self.abort([request_id])
+        except Exception as exc:  # the engine may be dying; its requests die with it
+            logger.debug("abort of %s failed: %s", request_id, exc)
+
+    async def _output_loop(self) -> None:
+        assert self._transport is not None
+        while True:
+            frames = await self._transport.recv_output()
+            try:
+                outputs = self._decoder.decode(frames)
+            except EngineDeadMessage:
+                self._declare_dead("engine reported ENGINE_CORE_DEAD")
+                return
+            except (msgspec.DecodeError, ValueError) as exc:
+                logger.error("undecodable engine output dropped: %s", exc)
+                continue
+            if outputs.scheduler_stats is not None:
+                self.scheduler_stats = outputs.scheduler_stats
+            if (utility := outputs.utility_output) is not None:
+                future = self._utility_calls.get(utility.call_id)
+                if future is not None and not future.done():
+                    if utility.failure_message is not None:
+                        future.set_exception(EngineError(f"utility call failed: {utility.failure_message}"))
+                    else:
+                        future.set_result(utility.value)
+            for output in outputs.outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    # Late output of an aborted or finished request, or someone else's id.
+                    continue
+                stream.queue.put_nowait(output)
+                if output.finished:
+                    # Later outputs for this id (there should be none) are dropped.
+                    self._streams.pop(output.request_id, None)
+
+    async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._declare_dead("engine connection lost (process exited or network failed)")
+                return
+
+    async def _health_loop(self) -> None:
+        interval = self.config.health_check_interval_s
+        timeout = self.config.health_check_timeout_s
+        while self.state is EngineState.READY:
+            await asyncio.sleep(interval)
+            started = time.monotonic()
+            try:
+                await self.call_utility("is_sleeping", timeout_s=timeout)
+            except TimeoutError:
+                self._declare_dead(f"engine did not answer a health check within {timeout:.1f} s (hung?)")
+                return
+            except EngineError:
+                return
+            logger.debug("engine health check answered in %.1f ms", (time.monotonic() - started) * 1e3)
+
+    def _declare_dead(self, reason: str) -> None:
+        if self.state is not EngineState.READY:
+            return
+        logger.error("engine declared dead: %s", reason)
+        self.state = EngineState.DEAD
+        self.death_reason = reason
+        self._fail_everything(EngineDeadError(reason))
+
+    def _fail_everything(self, error: EngineError) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        self._streams.clear()
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(error)

@@ -1,0 +1,143 @@
+"""ZMQ sockets between one engine client and one engine, and the startup handshake.
+
+The front-end binds all three sockets and the engine connects to them (vLLM's headless
+mode): a ROUTER for the handshake, a ROUTER for requests (the engine's DEALER identity is
+its data-parallel rank) and a PULL for outputs. Nothing here knows about requests; see
+`client.py` for their lifecycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from ..wire import SUPPORTED_VLLM_VERSIONS, EngineZmqAddresses, HandshakeInit, ReadyResponse
+from ..wire.codec import Frame, decode_ready_response, decode_status, encode_handshake_init
+from .errors import EngineNotReadyError, EngineVersionError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineAddresses:
+    """Where this front-end listens for one engine.
+
+    `handshake` is what the engine is started with (`--data-parallel-address HOST
+    --data-parallel-rpc-port PORT`). `inputs`/`outputs` default to random ports on the
+    handshake host; fix them when an engine must be able to reconnect after a gateway
+    restart without a new handshake.
+    """
+
+    handshake: str
+    inputs: str | None = None
+    outputs: str | None = None
+
+    @property
+    def host(self) -> str:
+        parts = urlsplit(self.handshake)
+        if parts.scheme != "tcp" or parts.hostname is None:
+            raise ValueError(f"handshake address must be tcp://HOST:PORT, got {self.handshake!r}")
+        return parts.hostname
+
+
+def _bind(sock: zmq.Socket, address: str | None, host: str) -> str:
+    if address is None or address.endswith(":0"):
+        bind_host = host if address is None else urlsplit(address).hostname
+        port = sock.bind_to_random_port(f"tcp://{bind_host}")
+        return f"tcp://{bind_host}:{port}"
+    sock.bind(address)
+    return address
+
+
+class EngineTransport:
+    """Owns the three sockets of one engine connection."""
+
+    def __init__(self, addresses: EngineAddresses, ctx: zmq.asyncio.Context | None = None) -> None:
+        self.addresses = addresses
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._handshake = self._ctx.socket(zmq.ROUTER)
+        self._inputs = self._ctx.socket(zmq.ROUTER)
+        # Fail loudly (EHOSTUNREACH) instead of dropping a request when the engine is gone.
+        self._inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._outputs = self._ctx.socket(zmq.PULL)
+        for sock in (self._handshake, self._inputs, self._outputs):
+            sock.setsockopt(zmq.LINGER, 0)
+        # Outputs must never be dropped: no high-water mark on the receiving side.
+        self._outputs.setsockopt(zmq.RCVHWM, 0)
+        self._inputs.setsockopt(zmq.SNDHWM, 0)
+        host = addresses.host
+        self.handshake_address = _bind(self._handshake, addresses.handshake, host)
+        self.input_address = _bind(self._inputs, addresses.inputs, host)
+        self.output_address = _bind(self._outputs, addresses.outputs, host)
+        self.engine_identity: bytes | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+
+    async def handshake(self, timeout_s: float) -> ReadyResponse:
+        """Answer the engine's HELLO, then wait for its ready response and READY.
+
+        Raises EngineNotReadyError on timeout and EngineVersionError for an unsupported engine.
+        """
+        try:
+            return await asyncio.wait_for(self._handshake_steps(), timeout_s)
+        except TimeoutError:
+            raise EngineNotReadyError(
+                f"no engine completed the handshake on {self.handshake_address} within {timeout_s:.0f} s"
+            ) from None
+
+    async def _handshake_steps(self) -> ReadyResponse:
+        identity, hello_bytes = await self._handshake.recv_multipart()
+        hello = decode_status(hello_bytes)
+        if hello.status != "HELLO":
+            raise EngineNotReadyError(f"expected HELLO from the engine, got {hello.status!r}")
+        init = HandshakeInit(
+            addresses=EngineZmqAddresses(inputs=[self.input_address], outputs=[self.output_address])
+        )
+        await self._handshake.send_multipart([identity, encode_handshake_init(init)])
+        logger.info("engine %s said HELLO; sent inputs=%s outputs=%s", identity.hex(), self.input_address, self.output_address)
+
+        # The first input-socket message is the ready response; it also teaches our ROUTER
+        # the engine's identity, without which we could not address requests to it.
+        engine_identity, ready_bytes = await self._inputs.recv_multipart()
+        ready = decode_ready_response(ready_bytes)
+        if not ready.vllm_version.startswith(SUPPORTED_VLLM_VERSIONS):
+            raise EngineVersionError(
+                f"engine runs vLLM {ready.vllm_version}; this gateway mirrors the wire format of "
+                f"vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM_VERSIONS)} only"
+            )
+        self.engine_identity = engine_identity
+        _, ready_msg = await self._handshake.recv_multipart()
+        status = decode_status(ready_msg)
+        if status.status != "READY":
+            raise EngineNotReadyError(f"expected READY from the engine, got {status.status!r}")
+        return ready
+
+    def watch_disconnects(self) -> zmq.asyncio.Socket:
+        """A monitor socket reporting the engine's TCP connection events on the input socket.
+
+        A killed engine closes its connections at once, which is how a crash is noticed in
+        milliseconds rather than after a health-check timeout.
+        """
+        if self._monitor is None:
+            self._monitor = self._inputs.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
+        return self._monitor
+
+    async def send(self, frames: list[Frame]) -> None:
+        assert self.engine_identity is not None, "send before handshake"
+        # copy=False: large tensors go to libzmq by reference (pyzmq keeps each array alive
+        # until libzmq releases it); pyzmq still copies frames under 64 KiB, which is cheaper.
+        await self._inputs.send_multipart([self.engine_identity, *frames], copy=False)
+
+    async def recv_output(self) -> list[bytes]:
+        return await self._outputs.recv_multipart()
+
+    def close(self) -> None:
+        if self._monitor is not None:
+            self._inputs.disable_monitor()
+            self._monitor.close(linger=0)
+        for sock in (self._handshake, self._inputs, self._outputs):
+            sock.close(linger=0)

@@ -1,0 +1,140 @@
+"""EngineCore request and output messages.
+
+Mirrors `vllm.v1.engine` of vLLM 0.32. `EngineCoreRequest`, `EngineCoreOutputs`,
+`EngineCoreOutput` and `UtilityOutput` are `array_like` msgspec structs there: positional
+msgpack arrays whose field *order* is the contract. Newer vLLM releases append fields at the
+end (0.33 appends `error` to `EngineCoreOutput`); msgspec ignores trailing elements it does
+not know, which is what makes our decoding tolerant. Fields we never read are typed `Any`
+so that a change in their inner shape cannot break decoding.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from .multimodal import MultiModalFeatureSpec
+from .sampling import SamplingParams
+
+
+class RequestType(bytes, enum.Enum):
+    """Mirrors `EngineCoreRequestType`: the first frame of every front-end → engine message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"
+    UTILITY = b"\x03"
+
+
+class FinishReason(enum.IntEnum):
+    """Mirrors `vllm.v1.engine.FinishReason` (an int on the wire)."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+    REPETITION = 4
+
+    @property
+    def openai_name(self) -> str:
+        return ("stop", "length", "abort", "error", "repetition")[self.value]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Mirrors `vllm.v1.engine.EngineCoreRequest` (array-like; the first nine are required).
+
+    Trailing fields after `data_parallel_rank` keep vLLM's order; only the ones we may set
+    are spelled out, everything after `client_index` is left to the engine's defaults.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int] | None
+    mm_features: list[MultiModalFeatureSpec] | None
+    sampling_params: SamplingParams | None
+    pooling_params: None
+    arrival_time: float
+    lora_request: None
+    cache_salt: str | None
+    data_parallel_rank: int | None
+    prompt_embeds: None = None
+    prompt_is_token_ids: None = None
+    client_index: int = 0
+
+
+class EngineCoreEvent(msgspec.Struct):
+    """Mirrors `EngineCoreEvent` (a map): QUEUED=1, SCHEDULED=2, PREEMPTED=3."""
+
+    type: int
+    timestamp: float
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Mirrors `vllm.v1.engine.EngineCoreOutput`: the new tokens of one request in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Any = None
+    new_prompt_logprobs_tensors: Any = None
+    pooling_output: Any = None
+    finish_reason: FinishReason | None = None
+    # Matched stop token id (int), or a stop string (str), or None (EOS / length).
+    stop_reason: int | str | None = None
+    events: list[EngineCoreEvent] | None = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    trace_headers: Any = None
+    prefill_stats: Any = None
+    routed_experts: Any = None
+    num_nans_in_logits: int = 0
+    # Non-empty: the engine lost these cached items; resend the request with their data.
+    mm_cache_miss_hashes: list[str] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, gc=False):
+    """Mirrors `vllm.v1.engine.UtilityOutput`.
+
+    `result` is vLLM's `UtilityResult`, written as `[type_info, value]` (type_info is None
+    unless the engine allows pickle-typed results, which we never enable).
+    """
+
+    call_id: int
+    failure_message: str | None = None
+    result: Any = None
+
+    @property
+    def value(self) -> Any:
+        if isinstance(self.result, (list, tuple)) and len(self.result) == 2:
+            return self.result[1]
+        return self.result
+
+
+class SchedulerStats(msgspec.Struct):
+    """Mirrors the fields we read of `vllm.v1.metrics.stats.SchedulerStats` (a map)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Mirrors `vllm.v1.engine.EngineCoreOutputs`: one message on the output socket."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: list[str] | None = None
+    wave_complete: int | None = None
+    start_wave: int | None = None
+    weight_version: str | None = None
+
+
+# The single frame an engine sends on its output socket before a fatal exit.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"

@@ -1,0 +1,129 @@
+"""Typed configuration of the mmserve application (the builder's arguments).
+
+Everything is a plain value so that it can come from `serve run serve_app:build_app k=v`,
+from a Serve config YAML (`applications[].args`) or from Python. Limits live here, and each
+is enforced before the work it protects.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+BUILTIN = "builtin"
+BUILTIN_MODEL_DIR = Path(__file__).resolve().parent.parent / "mmserve" / "builtin_engine" / "model"
+
+
+class EngineEndpoint(BaseModel):
+    """Where the gateway waits for one `vllm serve --headless` engine.
+
+    Start the engine with `--data-parallel-address HOST --data-parallel-rpc-port PORT`
+    matching `handshake`. The gateway binds `handshake`, `inputs` and `outputs`; the engine
+    connects to them. Fix `inputs`/`outputs` (e.g. `tcp://10.0.0.5:29560`) so that an engine
+    keeps working across a gateway restart; by default random ports on the handshake host.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    handshake: str
+    inputs: str | None = None
+    outputs: str | None = None
+
+    @field_validator("handshake", "inputs", "outputs")
+    @classmethod
+    def _tcp(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("tcp://"):
+            raise ValueError(f"engine addresses are tcp://HOST:PORT, got {value!r}")
+        return value
+
+
+class BuiltinEngineConfig(BaseModel):
+    """The embedded deterministic engine (no GPU, no vLLM), started by each engine client."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Loopback by default: the built-in engine runs beside its engine client.
+    handshake: str = "tcp://127.0.0.1:0"
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    step_interval_ms: float = 2.0
+
+
+class LimitsConfig(BaseModel):
+    """Request limits, all enforced before the expensive step they protect."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_request_bytes: int = 32 * 1024 * 1024
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 512
+    # None: the engine's max_model_len from its handshake.
+    max_prompt_tokens: int | None = None
+    max_messages: int = 1024
+
+
+class AppConfig(BaseModel):
+    """Arguments of `serve_app.build_app`.
+
+    `model`: local model directory (tokenizer, chat template, generation config) of the model
+    the engines serve. Default: the built-in engine's bundled tokenizer directory.
+    `engines`: "builtin", or a list of engine endpoints (or bare handshake addresses).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    served_model_name: str | None = None
+    engines: Literal["builtin"] | list[EngineEndpoint] = BUILTIN
+    builtin_engine: BuiltinEngineConfig = Field(default_factory=BuiltinEngineConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    # Engine client: a handshake can take minutes while vLLM loads a model.
+    handshake_timeout_s: float = 900.0
+    health_check_interval_s: float = 1.0
+    health_check_timeout_s: float = 10.0
+    # How long a request waits for a starting engine before it gets a 503.
+    engine_wait_timeout_s: float = 30.0
+    ingress_replicas: int = 1
+    # Allowlist of origins for browsers; empty = no CORS headers.
+    cors_allow_origins: list[str] = []
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _parse_engines(cls, value: Any) -> Any:
+        # From the CLI: "builtin", "tcp://a:1,tcp://b:2" or a JSON list.
+        if isinstance(value, str) and value != BUILTIN:
+            value = json.loads(value) if value.lstrip().startswith("[") else value.split(",")
+        if isinstance(value, list):
+            return [{"handshake": v.strip()} if isinstance(v, str) else v for v in value]
+        return value
+
+    @field_validator("builtin_engine", "limits", "cors_allow_origins", mode="before")
+    @classmethod
+    def _parse_json(cls, value: Any) -> Any:
+        return json.loads(value) if isinstance(value, str) else value
+
+    @property
+    def uses_builtin_engine(self) -> bool:
+        return self.engines == BUILTIN
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model) if self.model else BUILTIN_MODEL_DIR
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.uses_builtin_engine and not self.model:
+            return "mmserve-builtin"
+        return self.model_dir.name
+
+    def engine_endpoints(self) -> list[EngineEndpoint]:
+        if self.uses_builtin_engine:
+            return [EngineEndpoint(handshake=self.builtin_engine.handshake)]
+        assert isinstance(self.engines, list)
+        return self.engines
