@@ -1,0 +1,140 @@
+"""Engine-client deployment: one replica per vLLM engine, a thin shell over `EngineClient`.
+
+The replica binds the engine's ZMQ sockets and stays bound for its whole life, so the engine
+(a `vllm serve --headless` process, or the built-in engine this replica starts itself) can
+connect whenever it is ready. `check_health` fails once the engine is dead, so Ray Serve
+replaces the replica, which then waits for a new engine on the same addresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from ray import serve
+
+from mmserve.builtin_engine.launcher import BuiltinEngineProcess
+from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineState
+from mmserve.wire import EngineCoreOutput, EngineCoreRequest
+from serve_app.config import AppConfig, EngineEndpoint
+
+logger = logging.getLogger("ray.serve")
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """What the ingress needs to know about one engine."""
+
+    state: str
+    builtin: bool
+    handshake_address: str | None
+    death_reason: str | None = None
+    vllm_version: str | None = None
+    max_model_len: int | None = None
+    dtype: str | None = None
+    max_num_seqs: int | None = None
+    num_in_flight: int = 0
+
+
+class EngineClientServer:
+    """Plain class (testable without Ray): an engine client plus, optionally, its built-in engine."""
+
+    def __init__(self, config: AppConfig, endpoint: EngineEndpoint) -> None:
+        self.config = config
+        self.client = EngineClient(
+            EngineClientConfig(
+                addresses=EngineAddresses(endpoint.handshake, endpoint.inputs, endpoint.outputs),
+                handshake_timeout_s=config.handshake_timeout_s,
+                health_check_interval_s=config.health_check_interval_s,
+                health_check_timeout_s=config.health_check_timeout_s,
+            )
+        )
+        self.builtin: BuiltinEngineProcess | None = None
+        self._start_task: asyncio.Task[Any] | None = None
+
+    async def start(self) -> None:
+        """Bind now; complete the handshake in the background (the engine may take minutes)."""
+        self.client.bind()
+        logger.info("engine client listening for an engine on %s", self.client.handshake_address)
+        if self.config.uses_builtin_engine:
+            options = self.config.builtin_engine
+            self.builtin = BuiltinEngineProcess.start(
+                handshake=self.client.handshake_address,
+                model_dir=self.config.model_dir,
+                max_model_len=options.max_model_len,
+                max_num_seqs=options.max_num_seqs,
+                step_interval_ms=options.step_interval_ms,
+            )
+            logger.info("started the mmserve BUILT-IN engine (deterministic tokens, no real model), pid %d", self.builtin.pid)
+        self._start_task = asyncio.create_task(self.client.start())
+        self._start_task.add_done_callback(_log_start_failure)
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[list[EngineCoreOutput]]:
+        await self.client.wait_ready(self.config.engine_wait_timeout_s)
+        async for batch in self.client.generate(request):
+            yield batch
+
+    async def info(self) -> EngineInfo:
+        ready = self.client.ready
+        return EngineInfo(
+            state=self.client.state.value,
+            builtin=self.builtin is not None,
+            handshake_address=self.client.handshake_address,
+            death_reason=self.client.death_reason,
+            vllm_version=ready.vllm_version if ready else None,
+            max_model_len=ready.max_model_len if ready else None,
+            dtype=ready.dtype if ready else None,
+            max_num_seqs=ready.max_num_seqs if ready else None,
+            num_in_flight=self.client.num_in_flight,
+        )
+
+    async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
+        await self.client.wait_ready(self.config.engine_wait_timeout_s)
+        return await self.client.call_utility(method, *args, timeout_s=timeout_s)
+
+    def check_health(self) -> None:
+        if self.client.state in (EngineState.DEAD, EngineState.CLOSED):
+            raise RuntimeError(f"engine is {self.client.state.value}: {self.client.death_reason}")
+
+    async def shutdown(self) -> None:
+        await self.client.close()
+        if self.builtin is not None:
+            self.builtin.stop()
+
+
+def _log_start_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("engine did not start: %s", task.exception())
+
+
+@serve.deployment(
+    num_replicas=1,
+    # Requests are cheap here (bytes in, tokens out); the engine's own max_num_seqs and the
+    # ingress's admission limits bound the real concurrency.
+    max_ongoing_requests=4096,
+    ray_actor_options={"num_cpus": 0},
+    health_check_period_s=2,
+    health_check_timeout_s=10,
+)
+class EngineClientDeployment:
+    async def __init__(self, config: dict[str, Any], endpoint: dict[str, Any]) -> None:
+        self.server = EngineClientServer(AppConfig.model_validate(config), EngineEndpoint.model_validate(endpoint))
+        await self.server.start()
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[list[EngineCoreOutput]]:
+        async for batch in self.server.generate(request):
+            yield batch
+
+    async def info(self) -> EngineInfo:
+        return await self.server.info()
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        return await self.server.call_utility(method, *args)
+
+    def check_health(self) -> None:
+        self.server.check_health()
+
+    async def __del__(self) -> None:
+        await self.server.shutdown()

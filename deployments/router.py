@@ -1,0 +1,92 @@
+"""Routing engine requests from the ingress to engine-client deployments (Ray handles).
+
+Engine state comes from each engine client's `info()`, refreshed in the background, so a
+dead or starting engine is skipped without a round trip per request. Among ready engines
+the one with the fewest requests in flight from this ingress wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ray.serve.handle import DeploymentHandle
+
+from mmserve.engine import EngineDeadError, EngineNotReadyError
+from mmserve.wire import EngineCoreOutput, EngineCoreRequest
+from serve_app.openai_serving import EngineLimits
+
+from .engine_client import EngineInfo
+
+logger = logging.getLogger("ray.serve")
+
+
+class EngineHandleRouter:
+    def __init__(self, handles: list[DeploymentHandle], *, wait_timeout_s: float, refresh_interval_s: float = 1.0) -> None:
+        self._handles = handles
+        self._infos: list[EngineInfo | None] = [None] * len(handles)
+        self._in_flight = [0] * len(handles)
+        self._wait_timeout_s = wait_timeout_s
+        self._refresh_interval_s = refresh_interval_s
+        self._refreshed_at = 0.0
+        self._refresh_lock = asyncio.Lock()
+
+    async def refresh(self) -> list[EngineInfo | None]:
+        async with self._refresh_lock:
+            if time.monotonic() - self._refreshed_at < self._refresh_interval_s:
+                return self._infos
+            results = await asyncio.gather(
+                *(asyncio.wait_for(h.info.remote(), 5.0) for h in self._handles), return_exceptions=True
+            )
+            self._infos = [r if isinstance(r, EngineInfo) else None for r in results]
+            self._refreshed_at = time.monotonic()
+            return self._infos
+
+    def _ready_indices(self) -> list[int]:
+        return [i for i, info in enumerate(self._infos) if info is not None and info.state == "ready"]
+
+    async def _wait_for_ready(self) -> list[int]:
+        deadline = time.monotonic() + self._wait_timeout_s
+        while True:
+            await self.refresh()
+            ready = self._ready_indices()
+            if ready:
+                return ready
+            if time.monotonic() >= deadline:
+                states = [info.state if info else "unreachable" for info in self._infos]
+                reasons = [info.death_reason for info in self._infos if info and info.death_reason]
+                if any(s in ("dead", "closed") for s in states) and "starting" not in states:
+                    raise EngineDeadError(f"no engine is alive ({', '.join(reasons) or states})")
+                raise EngineNotReadyError(f"no engine is ready (states: {states})")
+            await asyncio.sleep(0.2)
+            self._refreshed_at = 0.0
+
+    async def infos(self) -> list[EngineInfo | None]:
+        return await self.refresh()
+
+    async def limits(self) -> EngineLimits:
+        ready = await self._wait_for_ready()
+        info = self._infos[ready[0]]
+        assert info is not None and info.max_model_len is not None
+        return EngineLimits(max_model_len=info.max_model_len, engine_kind="mmserve-builtin" if info.builtin else "vllm")
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[list[EngineCoreOutput]]:
+        ready = await self._wait_for_ready()
+        index = min(ready, key=lambda i: self._in_flight[i])
+        self._in_flight[index] += 1
+        response = self._handles[index].options(stream=True).generate.remote(request)
+        finished = False
+        try:
+            async for batch in response:
+                yield batch
+            finished = True
+        except (EngineDeadError, EngineNotReadyError):
+            self._refreshed_at = 0.0  # look again before routing the next request
+            raise
+        finally:
+            self._in_flight[index] -= 1
+            if not finished:
+                # Cancels the engine client's generator, whose cleanup aborts the request.
+                response.cancel()

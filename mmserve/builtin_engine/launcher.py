@@ -1,0 +1,65 @@
+"""Starting and stopping the built-in engine as a child process of its engine client."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Linux: the engine gets SIGTERM when its engine client's process dies, so a crashed
+    # replica never leaves an orphan engine holding a connection.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class BuiltinEngineProcess:
+    process: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        handshake: str,
+        model_dir: Path,
+        max_model_len: int,
+        max_num_seqs: int,
+        step_interval_ms: float,
+    ) -> "BuiltinEngineProcess":
+        cmd = [
+            sys.executable, "-m", "mmserve.builtin_engine",
+            "--handshake", handshake,
+            "--model-dir", str(model_dir),
+            "--max-model-len", str(max_model_len),
+            "--max-num-seqs", str(max_num_seqs),
+            "--step-interval-ms", str(step_interval_ms),
+        ]
+        process = subprocess.Popen(cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None, env=os.environ.copy())
+        return cls(process)
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

@@ -1,0 +1,29 @@
+"""Application builder: `serve run serve_app:build_app key=value ...` or `serve_app:app`.
+
+Builds one engine-client deployment per engine (each a single replica: it owns that
+engine's sockets) and the ingress, which holds their handles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from .config import AppConfig
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """Build the mmserve application from builder args (see `AppConfig`)."""
+    # Imported here so that `import serve_app` stays light for tools and tests.
+    from deployments.engine_client import EngineClientDeployment
+    from deployments.ingress import Ingress
+
+    config = AppConfig.model_validate(args or {})
+    config_dict = config.model_dump(mode="json")
+    engines = [
+        EngineClientDeployment.options(name=f"EngineClient{i}").bind(config_dict, endpoint.model_dump(mode="json"))
+        for i, endpoint in enumerate(config.engine_endpoints())
+    ]
+    return Ingress.options(num_replicas=config.ingress_replicas).bind(config_dict, engines)

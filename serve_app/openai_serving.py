@@ -1,0 +1,523 @@
+"""OpenAI chat and text completions over engine clients: a plain class, testable without Ray.
+
+Per request: validate → render the chat template → tokenize → check the context → build
+the engine's SamplingParams exactly as vLLM's front-end would (generation-config defaults,
+EOS and stop ids) → one engine request per choice (`n` children, ids `{i}_{parent}`, seeds
+`seed + i`, as vLLM's parallel sampling does) → incremental detokenization and stop strings
+here (the engine does neither) → OpenAI responses or SSE chunks. Leaving a stream early
+(stop string, client gone) closes the engine stream, which aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from jinja2 import TemplateError
+
+from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError
+from mmserve.text import (
+    ChatMessage as TextChatMessage,
+    IncrementalDetokenizer,
+    MediaPart,
+    ModelFiles,
+    SequenceText,
+    TextPart as TextContentPart,
+    Tokenizer,
+    load_chat_template,
+    resolve_stop_token_ids,
+)
+from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams, StructuredOutputsParams
+
+from . import validation
+from .config import AppConfig
+from .errors import OpenAIError, bad_request
+from .schemas import (
+    ChatMessage,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    SamplingRequestFields,
+    UsageInfo,
+)
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the serving layer needs from the engines' handshake."""
+
+    max_model_len: int
+    engine_kind: str  # "vllm" or "mmserve-builtin"
+
+
+class EngineRouter(Protocol):
+    """Chooses an engine and streams a request's outputs from it."""
+
+    async def limits(self) -> EngineLimits: ...
+
+    def generate(self, request: EngineCoreRequest) -> AsyncIterator[list[EngineCoreOutput]]: ...
+
+
+@dataclass
+class ChoiceDelta:
+    """New output of one choice since its previous delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready to become engine requests."""
+
+    request_id: str
+    created: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    n: int
+    stop: list[str]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    min_tokens: int
+
+
+class OpenAIServer:
+    def __init__(self, config: AppConfig, router: EngineRouter) -> None:
+        self.config = config
+        self.router = router
+        self.model_files = ModelFiles.load(config.model_dir)
+        self.tokenizer = Tokenizer.from_model_files(self.model_files)
+        self.chat_template = load_chat_template(self.model_files)
+        self.model_name = config.model_name
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def models(self) -> ModelList:
+        try:
+            limits = await self.router.limits()
+            max_len, engine = limits.max_model_len, limits.engine_kind
+        except EngineError:
+            max_len, engine = None, None
+        return ModelList(data=[ModelCard(id=self.model_name, root=str(self.config.model_dir), max_model_len=max_len, engine=engine)])
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        self._check_model(request.model)
+        validation.check_chat_request(request)
+        try:
+            prompt_text = self.chat_template.render(
+                [_to_text_message(m) for m in request.messages],
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+            )
+        except (ValueError, TemplateError) as exc:
+            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+        # vLLM's chat path tokenizes the rendered template without adding special tokens.
+        prompt_ids = self.tokenizer.encode(prompt_text, add_special_tokens=False)
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        prepared = await self._prepare(request, prompt_ids, max_tokens, "chatcmpl", self._structured_outputs(request))
+        if request.stream:
+            return self._chat_stream(request, prepared)
+        return await self._chat_full(request, prepared)
+
+    async def completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        self._check_model(request.model)
+        validation.check_completion_request(request)
+        prompt = request.prompt
+        if isinstance(prompt, list) and len(prompt) != 1 and not (prompt and isinstance(prompt[0], int)):
+            raise bad_request("batched prompts are not supported; send one prompt per request", "prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a one-element batch
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            prompt_ids = list(prompt)
+            validation.check_token_ids(prompt_ids, self.tokenizer.max_token_id, "prompt")
+        if not prompt_ids:
+            raise bad_request("the prompt is empty", "prompt")
+        prepared = await self._prepare(request, prompt_ids, request.max_tokens, "cmpl", None)
+        if request.stream:
+            return self._completion_stream(request, prepared)
+        return await self._completion_full(request, prepared)
+
+    # ------------------------------------------------------------------ preparation
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(
+                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                status=400, param="model", code="model_not_found",
+            )
+
+    def _structured_outputs(self, request: ChatCompletionRequest) -> StructuredOutputsParams | None:
+        fmt = request.response_format
+        if not fmt or fmt.get("type") in (None, "text"):
+            return None
+        if fmt.get("type") == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.get("type") == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema must be a JSON object", "response_format")
+            return StructuredOutputsParams(json=schema)
+        raise bad_request(f"unsupported response_format type {fmt.get('type')!r}", "response_format")
+
+    async def _prepare(
+        self,
+        request: SamplingRequestFields,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        id_prefix: str,
+        structured: StructuredOutputsParams | None,
+    ) -> PreparedRequest:
+        try:
+            limits = await self.router.limits()
+        except EngineNotReadyError as exc:
+            raise OpenAIError(f"no engine is ready: {exc}", status=503, retry_after_s=5) from None
+        except EngineError as exc:
+            raise OpenAIError(f"no engine is available: {exc}", status=503, retry_after_s=5) from None
+        max_model_len = limits.max_model_len
+        prompt_len = len(prompt_ids)
+        max_prompt = self.config.limits.max_prompt_tokens or max_model_len
+        if prompt_len >= min(max_model_len, max_prompt + 1):
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                f"contains {prompt_len} input tokens, which leaves no room for any output tokens. "
+                "Please reduce the length of the input prompt.",
+                "messages" if id_prefix == "chatcmpl" else "prompt",
+                "context_length_exceeded",
+            )
+        defaults = self.model_files.generation_config.sampling_defaults
+        if max_tokens is None:
+            max_tokens = max_model_len - prompt_len
+            if defaults.max_tokens is not None:
+                max_tokens = min(max_tokens, defaults.max_tokens)
+        elif prompt_len + max_tokens > max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        validation.check_sampling(request, max_tokens, self.config.limits, self.tokenizer.max_token_id)
+
+        stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        stop_ids = resolve_stop_token_ids(
+            tokenizer_eos_token_id=self.tokenizer.eos_token_id,
+            generation_eos_token_ids=self.model_files.generation_config.eos_token_ids,
+            request_stop_token_ids=list(dict.fromkeys(request.stop_token_ids or [])),
+            ignore_eos=request.ignore_eos,
+        )
+
+        def pick(value, default, fallback):
+            return value if value is not None else (default if default is not None else fallback)
+
+        sampling = SamplingParams(
+            n=1,
+            temperature=pick(request.temperature, defaults.temperature, 1.0),
+            top_p=pick(request.top_p, defaults.top_p, 1.0),
+            top_k=pick(request.top_k, defaults.top_k, 0),
+            min_p=pick(request.min_p, defaults.min_p, 0.0),
+            presence_penalty=pick(request.presence_penalty, defaults.presence_penalty, 0.0),
+            frequency_penalty=pick(request.frequency_penalty, defaults.frequency_penalty, 0.0),
+            repetition_penalty=pick(request.repetition_penalty, defaults.repetition_penalty, 1.0),
+            seed=request.seed,
+            stop=stop or None,
+            stop_token_ids=stop_ids.stop_token_ids or None,
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            structured_outputs=structured,
+            logit_bias={int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None,
+            _eos_token_id=stop_ids.eos_token_id,
+            _all_stop_token_ids=set(stop_ids.all_stop_token_ids),
+        )
+        if sampling.temperature < 1e-5:
+            # vLLM's greedy normalisation (SamplingParams.__post_init__).
+            sampling.top_p, sampling.top_k, sampling.min_p = 1.0, 0, 0.0
+        return PreparedRequest(
+            request_id=f"{id_prefix}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            n=request.n,
+            stop=stop,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            min_tokens=request.min_tokens,
+        )
+
+    def _engine_request(self, prepared: PreparedRequest, index: int) -> EngineCoreRequest:
+        sampling = prepared.sampling
+        request_id = prepared.request_id
+        if prepared.n > 1:
+            request_id = f"{index}_{request_id}"
+            if sampling.seed is not None:
+                sampling = _with_seed(sampling, sampling.seed + index)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            mm_features=None,
+            sampling_params=sampling,
+            pooling_params=None,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    async def _choice_deltas(self, prepared: PreparedRequest, index: int) -> AsyncIterator[ChoiceDelta]:
+        """Stream one choice: engine tokens → text deltas, stop strings, finish reasons."""
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            prepared.prompt_token_ids,
+            skip_special_tokens=prepared.skip_special_tokens,
+            spaces_between_special_tokens=prepared.spaces_between_special_tokens,
+        )
+        seq = SequenceText(
+            detok,
+            stop=prepared.stop,
+            include_stop_str_in_output=prepared.include_stop_str_in_output,
+            min_tokens=prepared.min_tokens,
+        )
+        emitted_ids = 0
+        engine_stream = self.router.generate(self._engine_request(prepared, index))
+        try:
+            async for batch in engine_stream:
+                for output in batch:
+                    finish = output.finish_reason
+                    if finish is FinishReason.ERROR:
+                        raise OpenAIError("the engine failed to process the request", status=500)
+                    stop_string = seq.update(output.new_token_ids, stop_terminated=finish is FinishReason.STOP)
+                    finish_reason, stop_reason = None, None
+                    if stop_string is not None:
+                        finish_reason, stop_reason = "stop", stop_string
+                    elif finish is not None:
+                        finish_reason, stop_reason = finish.openai_name, output.stop_reason
+                    text = seq.next_delta(finished=finish_reason is not None)
+                    new_ids = seq.token_ids[emitted_ids:]
+                    emitted_ids = len(seq.token_ids)
+                    yield ChoiceDelta(index, text, new_ids, finish_reason, stop_reason)
+                    if finish_reason is not None:
+                        return
+            raise OpenAIError("the engine stream ended without finishing the request", status=500)
+        except EngineNotReadyError as exc:
+            raise OpenAIError(f"no engine is ready: {exc}", status=503, retry_after_s=5) from None
+        except EngineDeadError as exc:
+            raise OpenAIError(f"the engine serving this request failed: {exc}", status=503, retry_after_s=5) from None
+        finally:
+            # Closing the engine stream early aborts the request in the engine.
+            await engine_stream.aclose()
+
+    async def _merged_deltas(self, prepared: PreparedRequest) -> AsyncIterator[ChoiceDelta]:
+        """All choices' deltas, interleaved as they arrive (n > 1 runs concurrently)."""
+        if prepared.n == 1:
+            async for delta in self._choice_deltas(prepared, 0):
+                yield delta
+            return
+        queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for delta in self._choice_deltas(prepared, index):
+                    await queue.put(delta)
+                await queue.put(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                await queue.put(exc)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(prepared.n)]
+        try:
+            remaining = prepared.n
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _collect(self, prepared: PreparedRequest) -> list[ChoiceResult]:
+        results = [ChoiceResult(i) for i in range(prepared.n)]
+        async for delta in self._merged_deltas(prepared):
+            result = results[delta.index]
+            result.text += delta.text
+            result.token_ids.extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                result.finish_reason, result.stop_reason = delta.finish_reason, delta.stop_reason
+        return results
+
+    @staticmethod
+    def _usage(prepared: PreparedRequest, completion_tokens: int) -> UsageInfo:
+        prompt_tokens = len(prepared.prompt_token_ids)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
+    # ------------------------------------------------------------------ chat responses
+
+    async def _chat_full(self, request: ChatCompletionRequest, prepared: PreparedRequest) -> ChatCompletionResponse:
+        results = await self._collect(prepared)
+        with_ids = bool(request.return_token_ids)
+        return ChatCompletionResponse(
+            id=prepared.request_id,
+            created=prepared.created,
+            model=self.model_name,
+            choices=[
+                ChatCompletionChoice(
+                    index=r.index,
+                    message=ResponseMessage(content=r.text),
+                    finish_reason=r.finish_reason,
+                    stop_reason=r.stop_reason,
+                    token_ids=r.token_ids if with_ids else None,
+                )
+                for r in results
+            ],
+            usage=self._usage(prepared, sum(len(r.token_ids) for r in results)),
+            prompt_token_ids=prepared.prompt_token_ids if with_ids else None,
+        )
+
+    async def _chat_stream(self, request: ChatCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
+        with_ids = bool(request.return_token_ids)
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None, first: bool = False) -> str:
+            body = ChatCompletionChunk(
+                id=prepared.request_id, created=prepared.created, model=self.model_name, choices=choices, usage=usage,
+                prompt_token_ids=prepared.prompt_token_ids if (with_ids and first) else None,
+            )
+            return _sse(body.model_dump_json(exclude_none=True))
+
+        completion_tokens = 0
+        try:
+            # First chunk of every choice announces the role, as OpenAI and vLLM do.
+            yield chunk(
+                [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(prepared.n)],
+                first=True,
+            )
+            async for delta in self._merged_deltas(prepared):
+                completion_tokens += len(delta.token_ids)
+                if not delta.text and delta.finish_reason is None and not (with_ids and delta.token_ids):
+                    continue
+                yield chunk([
+                    ChatCompletionStreamChoice(
+                        index=delta.index,
+                        delta=DeltaMessage(content=delta.text),
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
+                        token_ids=delta.token_ids if with_ids else None,
+                    )
+                ])
+            if include_usage:
+                yield chunk([], usage=self._usage(prepared, completion_tokens))
+        except OpenAIError as exc:
+            yield _sse(exc.body().model_dump_json())
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ completion responses
+
+    async def _completion_full(self, request: CompletionRequest, prepared: PreparedRequest) -> CompletionResponse:
+        results = await self._collect(prepared)
+        with_ids = bool(request.return_token_ids)
+        return CompletionResponse(
+            id=prepared.request_id,
+            created=prepared.created,
+            model=self.model_name,
+            choices=[
+                CompletionChoice(
+                    index=r.index, text=r.text, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+                    token_ids=r.token_ids if with_ids else None,
+                    prompt_token_ids=prepared.prompt_token_ids if with_ids else None,
+                )
+                for r in results
+            ],
+            usage=self._usage(prepared, sum(len(r.token_ids) for r in results)),
+        )
+
+    async def _completion_stream(self, request: CompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
+        with_ids = bool(request.return_token_ids)
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        completion_tokens = 0
+        sent_prompt_ids: set[int] = set()
+        try:
+            async for delta in self._merged_deltas(prepared):
+                completion_tokens += len(delta.token_ids)
+                if not delta.text and delta.finish_reason is None and not (with_ids and delta.token_ids):
+                    continue
+                first = delta.index not in sent_prompt_ids
+                sent_prompt_ids.add(delta.index)
+                body = CompletionChunk(
+                    id=prepared.request_id, created=prepared.created, model=self.model_name,
+                    choices=[CompletionChoice(
+                        index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                        token_ids=delta.token_ids if with_ids else None,
+                        prompt_token_ids=prepared.prompt_token_ids if (with_ids and first) else None,
+                    )],
+                )
+                yield _sse(body.model_dump_json(exclude_none=True))
+            if include_usage:
+                body = CompletionChunk(id=prepared.request_id, created=prepared.created, model=self.model_name, choices=[],
+                                       usage=self._usage(prepared, completion_tokens))
+                yield _sse(body.model_dump_json(exclude_none=True))
+        except OpenAIError as exc:
+            yield _sse(exc.body().model_dump_json())
+        yield "data: [DONE]\n\n"
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(sampling, seed=seed)
+
+
+def _to_text_message(message: ChatMessage) -> TextChatMessage:
+    """OpenAI message → the text layer's message (image parts keep only their position)."""
+    content = message.content
+    if isinstance(content, list):
+        content = tuple(
+            TextContentPart(part.text) if part.type == "text" else MediaPart("image") for part in content
+        )
+    return TextChatMessage(role=message.role, content=content, name=message.name, tool_call_id=message.tool_call_id)

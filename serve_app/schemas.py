@@ -1,0 +1,216 @@
+"""OpenAI API request and response bodies (the subset mmserve serves), as pydantic models.
+
+Requests are validated in strict mode straight from the JSON bytes, so a string where a
+number belongs is a 400, not a silent conversion. Fields vLLM's server accepts beyond
+OpenAI's (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
+skip_special_tokens, include_stop_str_in_output, return_token_ids) are accepted too.
+Unknown fields are ignored, as OpenAI and vLLM do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_REQUEST = ConfigDict(extra="ignore", strict=True)
+
+
+class ImageURL(BaseModel):
+    model_config = _REQUEST
+    url: str
+    # Accepted and ignored, as vLLM does.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(BaseModel):
+    model_config = _REQUEST
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(BaseModel):
+    model_config = _REQUEST
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    model_config = _REQUEST
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQUEST
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingRequestFields(BaseModel):
+    """Sampling fields shared by chat and text completions."""
+
+    model_config = _REQUEST
+
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extension: return prompt and generated token ids alongside the text.
+    return_token_ids: bool | None = False
+
+
+class ChatCompletionRequest(SamplingRequestFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+
+class CompletionRequest(SamplingRequestFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    suffix: str | None = None
+    logprobs: int | None = None
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ResponseMessage
+    finish_reason: str | None = None
+    # vLLM reports the matched stop string or token id here.
+    stop_reason: int | str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "mmserve"
+    root: str | None = None
+    max_model_len: int | None = None
+    # Which engine serves it: "vllm" or "mmserve-builtin" (deterministic, not a real model).
+    engine: str | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
