@@ -1,0 +1,325 @@
+"""Typed view of the text-related files of a Hugging Face model directory.
+
+Everything the gateway needs from a model dir is read here once, at startup, so
+that the rest of the text layer works with typed values instead of raw JSON:
+
+* ``tokenizer.json``: the `tokenizers` pipeline (loaded by ``tokenizer.py``).
+* ``tokenizer_config.json``: named special tokens (bos/eos/...), extra special
+  tokens, added tokens and, in old checkpoints, the chat template.
+* ``chat_template.jinja`` / ``chat_templates/*.jinja`` / ``chat_template.json``
+  / ``processor_config.json``: chat template sources (see ``_resolve_chat_template``
+  for the priority, which mirrors vLLM + transformers).
+* ``generation_config.json`` (or ``config.json`` as fallback): extra EOS ids and
+  the model's default sampling parameters.
+* ``config.json``: model type and special token ids such as ``image_token_id``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# transformers' PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES, in order: the
+# order matters because it is the order of `all_special_tokens`/`all_special_ids`.
+STANDARD_SPECIAL_TOKEN_NAMES: tuple[str, ...] = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+# Sampling parameters vLLM takes from generation_config.json as request defaults
+# (ModelConfig.get_diff_sampling_param). HF's max_new_tokens becomes max_tokens.
+_SAMPLING_DEFAULT_KEYS: tuple[str, ...] = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AddedTokenSpec:
+    """An entry of tokenizer_config.json's ``added_tokens_decoder``."""
+
+    id: int
+    content: str
+    special: bool
+    single_word: bool = False
+    lstrip: bool = False
+    rstrip: bool = False
+    normalized: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerConfig:
+    """The parts of tokenizer_config.json the gateway relies on."""
+
+    # Named special tokens in transformers order: the 7 standard names first,
+    # then model-specific ``*_token`` keys (e.g. ``image_token``). These are
+    # exactly the variables transformers passes to chat templates.
+    named_special_tokens: tuple[tuple[str, str], ...] = ()
+    # ``extra_special_tokens`` / legacy ``additional_special_tokens`` (list form).
+    extra_special_tokens: tuple[str, ...] = ()
+    added_tokens: tuple[AddedTokenSpec, ...] = ()
+    chat_template: str | None = None
+    named_chat_templates: tuple[tuple[str, str], ...] = ()
+    clean_up_tokenization_spaces: bool = False
+    tokenizer_class: str | None = None
+
+    def special_token(self, name: str) -> str | None:
+        for key, value in self.named_special_tokens:
+            if key == name:
+                return value
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """Non-null sampling values from generation_config.json (vLLM applies them
+    as request defaults unless started with ``--generation-config vllm``)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationConfig:
+    # All EOS ids from generation_config.json (int or list in the file). vLLM adds
+    # those that differ from the tokenizer's EOS to the request's stop_token_ids.
+    eos_token_ids: tuple[int, ...] = ()
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The few config.json values the text/multimodal layers look at."""
+
+    model_type: str | None = None
+    architectures: tuple[str, ...] = ()
+    # Every integer ``*_token_id`` / ``*_token_index`` from config.json and its
+    # text_config (top level wins), e.g. image_token_id, vision_start_token_id.
+    token_ids: tuple[tuple[str, int], ...] = ()
+    max_position_embeddings: int | None = None
+
+    def token_id(self, name: str) -> int | None:
+        for key, value in self.token_ids:
+            if key == name:
+                return value
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplateSource:
+    text: str
+    origin: str  # file (or file:key) it came from, for logs and errors
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFiles:
+    path: Path
+    tokenizer_json: Path
+    tokenizer_config: TokenizerConfig
+    generation_config: GenerationConfig
+    model_config: ModelConfig
+    chat_template: ChatTemplateSource | None
+    # Named templates ("default", "tool_use", ...) when the dir defines several.
+    named_chat_templates: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelFiles":
+        root = Path(path)
+        tokenizer_json = root / "tokenizer.json"
+        if not tokenizer_json.is_file():
+            raise FileNotFoundError(f"{tokenizer_json} not found (only fast tokenizers are supported)")
+        raw_config = _read_json(root / "config.json") or {}
+        tok_config = _parse_tokenizer_config(_read_json(root / "tokenizer_config.json") or {})
+        chat_template, named = _resolve_chat_template(root, tok_config)
+        return cls(
+            path=root,
+            tokenizer_json=tokenizer_json,
+            tokenizer_config=tok_config,
+            generation_config=_parse_generation_config(_read_json(root / "generation_config.json"), raw_config),
+            model_config=_parse_model_config(raw_config),
+            chat_template=chat_template,
+            named_chat_templates=named,
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    with path.open(encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_content(value: Any) -> str | None:
+    """Special tokens are stored either as plain strings or as serialized
+    AddedToken dicts ({"content": ..., "__type": "AddedToken"})."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _parse_tokenizer_config(raw: dict[str, Any]) -> TokenizerConfig:
+    named: dict[str, str] = {}
+    for name in STANDARD_SPECIAL_TOKEN_NAMES:
+        if (content := _token_content(raw.get(name))) is not None:
+            named[name] = content
+    # transformers v5 turns any other ``*_token`` string key, and the dict form of
+    # extra_special_tokens, into named special tokens (model-specific tokens).
+    for key, value in raw.items():
+        if key not in named and key.endswith("_token") and key not in STANDARD_SPECIAL_TOKEN_NAMES:
+            if (content := _token_content(value)) is not None:
+                named[key] = content
+    extra_raw = raw.get("extra_special_tokens") or raw.get("additional_special_tokens") or []
+    extra: list[str] = []
+    if isinstance(extra_raw, dict):
+        for key, value in extra_raw.items():
+            if (content := _token_content(value)) is not None:
+                named[key] = content
+    else:
+        extra = [c for v in extra_raw if (c := _token_content(v)) is not None]
+
+    added = tuple(
+        sorted(
+            (
+                AddedTokenSpec(
+                    id=int(token_id),
+                    content=spec["content"],
+                    special=bool(spec.get("special", False)),
+                    single_word=bool(spec.get("single_word", False)),
+                    lstrip=bool(spec.get("lstrip", False)),
+                    rstrip=bool(spec.get("rstrip", False)),
+                    normalized=bool(spec.get("normalized", True)),
+                )
+                for token_id, spec in (raw.get("added_tokens_decoder") or {}).items()
+            ),
+            key=lambda t: t.id,
+        )
+    )
+
+    template = raw.get("chat_template")
+    named_templates: tuple[tuple[str, str], ...] = ()
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named_templates = tuple((t["name"], t["template"]) for t in template)
+        template = None
+    return TokenizerConfig(
+        named_special_tokens=tuple(named.items()),
+        extra_special_tokens=tuple(extra),
+        added_tokens=added,
+        chat_template=template if isinstance(template, str) else None,
+        named_chat_templates=named_templates,
+        clean_up_tokenization_spaces=bool(raw.get("clean_up_tokenization_spaces", False)),
+        tokenizer_class=raw.get("tokenizer_class"),
+    )
+
+
+def _resolve_chat_template(
+    root: Path, tok_config: TokenizerConfig
+) -> tuple[ChatTemplateSource | None, tuple[tuple[str, str], ...]]:
+    """Pick the chat template the way vLLM's ``resolve_chat_template`` does
+    (without a request-supplied template, without tools):
+
+    1. the AutoProcessor's template, when the model has a processor: its
+       ``processor_config.json["chat_template"]``, else the legacy
+       ``chat_template.json``, else ``chat_template.jinja``;
+    2. the tokenizer's template: ``chat_template.jinja`` (plus
+       ``chat_templates/*.jinja``) take priority over tokenizer_config.json's
+       ``chat_template`` key, as in transformers.
+
+    Named templates: a "default" entry is used, as transformers does without tools.
+    vLLM's built-in fallback templates (for models shipping none) are not covered.
+    """
+    has_processor = any(
+        (root / name).is_file()
+        for name in ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+    )
+    if has_processor:
+        processor_cfg = _read_json(root / "processor_config.json") or {}
+        if isinstance(processor_cfg.get("chat_template"), str):
+            return ChatTemplateSource(processor_cfg["chat_template"], "processor_config.json:chat_template"), ()
+        legacy = _read_json(root / "chat_template.json")
+        if legacy is not None and isinstance(legacy.get("chat_template"), str):
+            return ChatTemplateSource(legacy["chat_template"], "chat_template.json"), ()
+
+    named: dict[str, str] = {}
+    template_dir = root / "chat_templates"
+    if template_dir.is_dir():
+        for file in sorted(template_dir.glob("*.jinja")):
+            named[file.stem] = file.read_text(encoding="utf-8")
+    jinja_file = root / "chat_template.jinja"
+    if jinja_file.is_file():
+        named["default"] = jinja_file.read_text(encoding="utf-8")
+    if named:
+        origin = "chat_template.jinja" if jinja_file.is_file() else "chat_templates/default.jinja"
+        default = named.get("default")
+        return (ChatTemplateSource(default, origin) if default is not None else None), tuple(named.items())
+
+    if tok_config.chat_template is not None:
+        return ChatTemplateSource(tok_config.chat_template, "tokenizer_config.json:chat_template"), ()
+    if tok_config.named_chat_templates:
+        default = dict(tok_config.named_chat_templates).get("default")
+        source = ChatTemplateSource(default, "tokenizer_config.json:chat_template[default]") if default else None
+        return source, tok_config.named_chat_templates
+    return None, ()
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(v for v in value if isinstance(v, int))
+    return ()
+
+
+def _parse_generation_config(raw: dict[str, Any] | None, model_config: dict[str, Any]) -> GenerationConfig:
+    if raw is None:
+        # vLLM falls back to GenerationConfig.from_model_config(config.json),
+        # which only carries token ids (eos) and no sampling defaults.
+        text_config = model_config.get("text_config") or {}
+        eos = model_config.get("eos_token_id")
+        if eos is None:
+            eos = text_config.get("eos_token_id")
+        return GenerationConfig(eos_token_ids=_eos_ids(eos))
+
+    values = {k: raw[k] for k in _SAMPLING_DEFAULT_KEYS if raw.get(k) is not None}
+    if "max_new_tokens" in values:
+        values["max_tokens"] = values.pop("max_new_tokens")
+    return GenerationConfig(
+        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        sampling_defaults=SamplingDefaults(**values),
+    )
+
+
+def _parse_model_config(raw: dict[str, Any]) -> ModelConfig:
+    token_ids: dict[str, int] = {}
+    for source in (raw, raw.get("text_config") or {}, raw.get("vision_config") or {}):
+        for key, value in source.items():
+            if (key.endswith("_token_id") or key.endswith("_token_index")) and isinstance(value, int):
+                token_ids.setdefault(key, value)
+    text_config = raw.get("text_config") or {}
+    max_pos = raw.get("max_position_embeddings", text_config.get("max_position_embeddings"))
+    return ModelConfig(
+        model_type=raw.get("model_type"),
+        architectures=tuple(raw.get("architectures") or ()),
+        token_ids=tuple(token_ids.items()),
+        max_position_embeddings=max_pos if isinstance(max_pos, int) else None,
+    )
