@@ -36,6 +36,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     dtype: str | None = None
     max_num_seqs: int | None = None
     num_in_flight: int = 0
+    # The built-in engine's process id (None for external engines).
+    builtin_pid: int | None = None
 
 
 class EngineClientServer:
@@ -88,6 +90,7 @@ class EngineClientServer:
             dtype=ready.dtype if ready else None,
             max_num_seqs=ready.max_num_seqs if ready else None,
             num_in_flight=self.client.num_in_flight,
+            builtin_pid=self.builtin.pid if self.builtin else None,
         )
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
