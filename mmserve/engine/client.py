@@ -266,8 +266,12 @@ class EngineClient:
             except TimeoutError:
                 self._declare_dead(f"engine did not answer a health check within {timeout:.1f} s (hung?)")
                 return
-            except EngineError:
-                return
+            except EngineError as exc:
+                if self.state is not EngineState.READY:
+                    return
+                # The engine answered, with a failure: it is alive, which is all we ask here.
+                logger.warning("engine health check answered with an error: %s", exc)
+                continue
             logger.debug("engine health check answered in %.1f ms", (time.monotonic() - started) * 1e3)
 
     def _declare_dead(self, reason: str) -> None:
