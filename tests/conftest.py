@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -101,3 +102,52 @@ def deploy_app(instance: ServeInstance, name: str, args: dict[str, Any], *, read
 @pytest.fixture(scope="session")
 def builtin_app(serve_instance: ServeInstance) -> DeployedApp:
     return deploy_app(serve_instance, "builtin", {"builtin_engine": {"step_interval_ms": 2.0}})
+
+
+# --------------------------------------------------------------------------- real vLLM engine
+
+TINY_MODEL_NAME = "tiny-qwen2-vl"
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory) -> "Path":
+    from tests.support.tiny_models import build_tiny_qwen2_vl
+
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / TINY_MODEL_NAME, seed=0)
+
+
+@dataclass
+class VllmBackedApp:
+    app: DeployedApp
+    engine: Any  # tests.support.vllm_engines.HeadlessVllmEngine
+    model_dir: "Path"
+    model_name: str = TINY_MODEL_NAME
+
+
+@pytest.fixture(scope="session")
+def vllm_app(serve_instance: ServeInstance, tiny_qwen2_vl_dir) -> Iterator[VllmBackedApp]:
+    """The Serve graph in front of a real `vllm serve --headless` CPU engine (tiny Qwen2-VL)."""
+    from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
+
+    port = free_tcp_port()
+    engine = HeadlessVllmEngine(tiny_qwen2_vl_dir, port, max_model_len=1024).start()
+    try:
+        app = deploy_app(
+            serve_instance,
+            "vllm",
+            {
+                "model": str(tiny_qwen2_vl_dir),
+                "served_model_name": TINY_MODEL_NAME,
+                "engines": [f"tcp://127.0.0.1:{port}"],
+                "handshake_timeout_s": 600,
+                # CPU engine on a 2-core machine shared with the tests: generous but bounded.
+                "health_check_timeout_s": 20,
+            },
+            ready_timeout_s=600,
+        )
+    except BaseException:
+        print(engine.log_tail())
+        engine.stop()
+        raise
+    yield VllmBackedApp(app=app, engine=engine, model_dir=tiny_qwen2_vl_dir)
+    engine.stop()

@@ -1,0 +1,194 @@
+"""The Serve graph against a real vLLM 0.32 CPU engine: identical tokens to vLLM's own offline engine.
+
+For each chat, the same messages go (a) through our HTTP endpoint with the real `openai` client,
+to a `vllm serve --headless` engine over our own wire code, and (b) to vLLM's offline
+`LLM.chat`. Prompt token ids, generated token ids, text, finish and stop reasons must be equal;
+prompt ids must also equal Hugging Face's `apply_chat_template`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.support.vllm_reference import run_offline_reference
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
+
+CHATS = [
+    [{"role": "user", "content": "Hello! What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse pirate."}, {"role": "user", "content": "Describe the sea."}],
+    [
+        {"role": "user", "content": "Pick a number."},
+        {"role": "assistant", "content": "Seven."},
+        {"role": "user", "content": "Why that one?"},
+    ],
+    [{"role": "user", "content": "Ünïcödé: 日本語のテキスト, emoji 🚀🌊, and ça va?"}],
+    [{"role": "user", "content": [{"type": "text", "text": "Two parts:"}, {"type": "text", "text": " list content."}]}],
+    [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": "{\"q\": \"tabs\\tand\\nnewlines\"}"}],
+]
+GREEDY = {"temperature": 0.0, "max_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(vllm_app):
+    cases = [{"messages": chat, "sampling": GREEDY} for chat in CHATS]
+    return run_offline_reference(vllm_app.model_dir, cases)
+
+
+def _chat(vllm_app, messages, **kwargs):
+    client = vllm_app.app.openai(timeout=120)
+    return client.chat.completions.create(
+        model=vllm_app.model_name, messages=messages, extra_body={"return_token_ids": True, **kwargs.pop("extra_body", {})}, **kwargs
+    )
+
+
+def _stream_chat(vllm_app, messages, **kwargs):
+    client = vllm_app.app.openai(timeout=120)
+    stream = client.chat.completions.create(
+        model=vllm_app.model_name, messages=messages, stream=True, stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True}, **kwargs,
+    )
+    texts, ids, finish, stop_reason, prompt_ids, usage = {}, {}, {}, {}, None, None
+    for chunk in stream:
+        extra = chunk.model_extra or {}
+        if extra.get("prompt_token_ids") is not None:
+            prompt_ids = extra["prompt_token_ids"]
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            i = choice.index
+            texts[i] = texts.get(i, "") + (choice.delta.content or "")
+            ids.setdefault(i, []).extend((choice.model_extra or {}).get("token_ids") or [])
+            if choice.finish_reason:
+                finish[i] = choice.finish_reason
+                stop_reason[i] = (choice.model_extra or {}).get("stop_reason")
+    return prompt_ids, texts, ids, finish, stop_reason, usage
+
+
+def test_prompt_ids_equal_hugging_face_apply_chat_template(vllm_app, greedy_reference):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(vllm_app.model_dir)
+    for chat, ref in zip(CHATS, greedy_reference):
+        hf_ids = hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if isinstance(hf_ids, dict) or hasattr(hf_ids, "input_ids"):
+            hf_ids = hf_ids["input_ids"]
+        ours = _chat(vllm_app, chat, **GREEDY)
+        assert ours.model_extra["prompt_token_ids"] == list(hf_ids) == ref.prompt_token_ids
+
+
+@pytest.mark.parametrize("case", range(len(CHATS)))
+def test_greedy_tokens_and_text_equal_vllm_offline(vllm_app, greedy_reference, case):
+    ref = greedy_reference[case].outputs[0]
+    ours = _chat(vllm_app, CHATS[case], **GREEDY)
+    choice = ours.choices[0]
+    assert choice.model_extra["token_ids"] == ref.token_ids
+    assert choice.message.content == ref.text
+    assert choice.finish_reason == ref.finish_reason
+    assert choice.model_extra.get("stop_reason") == ref.stop_reason
+    assert ours.usage.completion_tokens == len(ref.token_ids)
+    assert ours.usage.prompt_tokens == len(greedy_reference[case].prompt_token_ids)
+
+
+@pytest.mark.parametrize("case", [0, 3])
+def test_streaming_equals_vllm_offline(vllm_app, greedy_reference, case):
+    ref = greedy_reference[case]
+    prompt_ids, texts, ids, finish, stop_reason, usage = _stream_chat(vllm_app, CHATS[case], **GREEDY)
+    assert prompt_ids == ref.prompt_token_ids
+    assert ids[0] == ref.outputs[0].token_ids
+    assert texts[0] == ref.outputs[0].text
+    assert finish[0] == ref.outputs[0].finish_reason
+    assert usage.completion_tokens == len(ref.outputs[0].token_ids)
+
+
+def test_stop_strings_n2_seed_and_max_tokens_match_vllm(vllm_app, greedy_reference):
+    # A stop string cut from the middle of a known greedy answer.
+    base_text = greedy_reference[1].outputs[0].text
+    assert len(base_text) >= 10, base_text
+    stop = base_text[4:7]
+    sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "n": 2, "max_tokens": 20}
+    cases = [
+        {"messages": CHATS[1], "sampling": {**GREEDY, "stop": [stop]}},
+        {"messages": CHATS[1], "sampling": {**GREEDY, "stop": [stop], "include_stop_str_in_output": True}},
+        {"messages": CHATS[2], "sampling": sampled},
+        {"messages": CHATS[0], "sampling": {"temperature": 0.0, "max_tokens": 5}},
+        {"messages": CHATS[3], "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "min_tokens": 6}},
+    ]
+    refs = run_offline_reference(vllm_app.model_dir, cases)
+
+    r = _chat(vllm_app, CHATS[1], **GREEDY, stop=[stop])
+    assert r.choices[0].message.content == refs[0].outputs[0].text
+    assert r.choices[0].model_extra["token_ids"] == refs[0].outputs[0].token_ids
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("stop", stop)
+    assert refs[0].outputs[0].stop_reason == stop
+
+    r = _chat(vllm_app, CHATS[1], **GREEDY, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].message.content == refs[1].outputs[0].text
+
+    r = _chat(vllm_app, CHATS[2], temperature=0.9, top_p=0.95, seed=1234, n=2, max_tokens=20)
+    got = sorted((c.model_extra["token_ids"], c.message.content) for c in r.choices)
+    want = sorted((o.token_ids, o.text) for o in refs[2].outputs)
+    assert got == want
+
+    r = _chat(vllm_app, CHATS[0], temperature=0.0, max_tokens=5)
+    assert r.choices[0].model_extra["token_ids"] == refs[3].outputs[0].token_ids
+    assert r.choices[0].finish_reason == refs[3].outputs[0].finish_reason == "length"
+
+    r = _chat(vllm_app, CHATS[3], temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True, "min_tokens": 6})
+    assert r.choices[0].model_extra["token_ids"] == refs[4].outputs[0].token_ids
+
+    # Streaming with a stop string: same text, never a stop-string fragment leaked.
+    _, texts, ids, finish, stop_reason, _ = _stream_chat(vllm_app, CHATS[1], **GREEDY, stop=[stop])
+    assert texts[0] == refs[0].outputs[0].text and ids[0] == refs[0].outputs[0].token_ids
+    assert (finish[0], stop_reason[0]) == ("stop", stop)
+
+
+def test_text_completion_matches_vllm_token_prompt(vllm_app):
+    prompt_ids = [1987, 82, 88, 434, 68, 76, 198, 300, 301]
+    ref = run_offline_reference(vllm_app.model_dir, [{"prompt_token_ids": prompt_ids, "sampling": GREEDY}])[0]
+    client = vllm_app.app.openai(timeout=120)
+    r = client.completions.create(model=vllm_app.model_name, prompt=prompt_ids, extra_body={"return_token_ids": True}, **GREEDY)
+    assert r.choices[0].model_extra["token_ids"] == ref.outputs[0].token_ids
+    assert r.choices[0].text == ref.outputs[0].text
+
+
+def test_bad_requests_leave_the_engine_serving(vllm_app, greedy_reference):
+    import httpx
+
+    url = vllm_app.app.base_url + "/v1/chat/completions"
+    bad = [
+        b"{not json",
+        b'{"messages": [{"role": "user", "content": 5}]}',
+        b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}',
+        ('{"messages": [{"role": "user", "content": "' + "lorem ipsum " * 800 + '"}]}').encode(),
+    ]
+    for body in bad:
+        resp = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert resp.status_code == 400, (body[:80], resp.text)
+        assert set(resp.json()["error"]) >= {"message", "type", "param", "code"}
+    assert vllm_app.engine.is_alive()
+    ours = _chat(vllm_app, CHATS[0], **GREEDY)
+    assert ours.choices[0].model_extra["token_ids"] == greedy_reference[0].outputs[0].token_ids
+
+
+def test_client_disconnect_leaves_no_running_request(vllm_app):
+    import httpx
+
+    with httpx.stream(
+        "POST", vllm_app.app.base_url + "/v1/chat/completions",
+        json={"model": vllm_app.model_name, "messages": CHATS[0], "max_tokens": 900, "ignore_eos": True, "stream": True},
+        timeout=120,
+    ) as resp:
+        lines = resp.iter_lines()
+        for _ in range(4):
+            next(lines)
+        assert vllm_app.app.engine_utility("has_work") is True
+    deadline = time.monotonic() + 5
+    while vllm_app.app.engine_utility("has_work"):
+        assert time.monotonic() < deadline, "the engine still runs the request 5 s after the client left"
+        time.sleep(0.1)
+    assert vllm_app.app.engine_info().num_in_flight == 0

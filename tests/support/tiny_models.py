@@ -1,0 +1,282 @@
+"""Tiny random-weight models for tests: built locally because nothing can be downloaded here.
+
+``build_tiny_qwen2_vl`` = the committed built-in model directory (``mmserve/builtin_engine/model``,
+written by ``scripts/make_builtin_model.py``: configs + tokenizer) + random weights made with
+transformers. ``build_tiny_llava`` = a tiny LLaVA-1.5 (llava-hf layout).
+
+Weights are re-drawn from N(0, 0.2) (norm weights from N(1, 0.2)) with a fixed seed: transformers'
+own init (std 0.02, norms at 1) gives nearly flat logits, and greedy decoding then repeats one token
+whatever the input. With std 0.2 the logits have a spread of a few units, so greedy outputs depend on
+the prompt and the image. Everything is deterministic for a given seed (CPU, fixed draw order).
+
+Tests may import torch/transformers; the gateway never does.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BUILTIN_MODEL_DIR = REPO / "mmserve" / "builtin_engine" / "model"
+WEIGHT_STD = 0.2
+
+
+def _redraw_(model, seed: int) -> None:
+    """Re-draw every parameter in place, in name order, from one seeded generator."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * WEIGHT_STD
+            # Norm scales around 1 (not 0) so activations keep their size through the layers.
+            is_norm = p.ndim == 1 and ("norm" in name or name.endswith("ln_q.weight"))
+            p.copy_(noise + 1.0 if is_norm and name.endswith("weight") else noise)
+
+
+def _save_weights(model, dest: Path) -> None:
+    """save_pretrained into a scratch dir and keep only the safetensors (the configs in ``dest``
+    are the committed ones; transformers 5 would rewrite config.json in its own layout)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for f in sorted(Path(tmp).glob("*.safetensors*")):
+            shutil.copyfile(f, dest / f.name)
+
+
+def build_tiny_qwen2_vl(dest: Path, seed: int = 0) -> Path:
+    """Copy the built-in Qwen2-VL model dir to ``dest`` and add random bf16 weights. Returns ``dest``."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(BUILTIN_MODEL_DIR.iterdir()):
+        if f.is_file():
+            shutil.copyfile(f, dest / f.name)
+    config = Qwen2VLConfig.from_pretrained(dest)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    _redraw_(model, seed)
+    model = model.to(torch.bfloat16)
+    _save_weights(model, dest)
+    return dest
+
+
+# ------------------------------------------------------------------------------------------------
+# LLaVA-1.5 (llava-hf/llava-1.5-7b-hf layout, tiny)
+# ------------------------------------------------------------------------------------------------
+# Token ids follow llava-hf's layout: <unk> 0, <s> 1, </s> 2, byte-fallback tokens <0x00>..<0xFF> at
+# 3..258 (as in Llama's SentencePiece vocab), learned pieces up to LLAVA_BPE_VOCAB, then the two tokens
+# llava-hf adds at the end: <image> (llava-hf: 32000) and <pad> (32001).
+LLAVA_BPE_VOCAB = 1500
+LLAVA_IMAGE_TOKEN_ID = LLAVA_BPE_VOCAB  # 1500
+LLAVA_PAD_TOKEN_ID = LLAVA_BPE_VOCAB + 1  # 1501
+LLAVA_VOCAB_SIZE = LLAVA_BPE_VOCAB + 2
+
+# llava-hf/llava-1.5-7b-hf's chat template, verbatim.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
+    "{% endif %}{# Render all images first #}{% for content in message['content'] | "
+    "selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}{# Render all text next #}"
+    "{% if message['role'] != 'assistant' %}{% for content in message['content'] | "
+    "selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}{% endfor %}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{% generation %}"
+    "{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def _corpus_lines() -> list[str]:
+    """The training text of scripts/make_builtin_model.py (loaded by path: scripts/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_make_builtin_model", REPO / "scripts" / "make_builtin_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.training_lines()
+
+
+def _llama_style_tokenizer_json() -> str:
+    """A SentencePiece-like BPE in the Llama-2 tokenizer.json format llava-hf ships: normalizer
+    Prepend("▁") + Replace(" ", "▁"), no pre-tokenizer, byte fallback, BOS added by the
+    post-processor, decoder Replace/ByteFallback/Fuse/Strip."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    # Training only: split on spaces so merges never cross words (SentencePiece's default).
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=LLAVA_BPE_VOCAB,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=["<unk>", "<s>", "</s>", *byte_tokens],  # ids 0..258, in this order
+        limit_alphabet=150,  # rarer characters go through byte fallback, as in Llama
+    )
+    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    got = tok.get_vocab_size(with_added_tokens=True)
+    assert got == LLAVA_BPE_VOCAB, f"LLaVA BPE vocab {got} != {LLAVA_BPE_VOCAB}"
+    tok.add_special_tokens([AddedToken("<image>", special=True, normalized=False),
+                            AddedToken("<pad>", special=True, normalized=False)])
+    d = json.loads(tok.to_str())
+    d["pre_tokenizer"] = None
+    d["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+        ],
+    }
+    d["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            {"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": "<s>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}},
+        ],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
+    }
+    # The trainer registers its special tokens as added tokens; keep <unk>/<s>/</s> (special, as in
+    # Llama) and drop the byte tokens (plain vocab entries in Llama's tokenizer.json).
+    d["added_tokens"] = [t for t in d["added_tokens"] if not t["content"].startswith("<0x")]
+    text = json.dumps(d, indent=2, ensure_ascii=False) + "\n"
+    check = Tokenizer.from_str(text)
+    assert check.token_to_id("<image>") == LLAVA_IMAGE_TOKEN_ID and check.token_to_id("<pad>") == LLAVA_PAD_TOKEN_ID
+    assert check.token_to_id("<0x00>") == 3 and check.token_to_id("<s>") == 1
+    return text
+
+
+def _llava_files() -> dict[str, dict | str]:
+    added = {
+        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                 "single_word": False, "special": True}
+        for i, t in [(0, "<unk>"), (1, "<s>"), (2, "</s>"), (LLAVA_IMAGE_TOKEN_ID, "<image>"),
+                     (LLAVA_PAD_TOKEN_ID, "<pad>")]
+    }
+    return {
+        "tokenizer.json": _llama_style_tokenizer_json(),
+        "tokenizer_config.json": {
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "added_tokens_decoder": added,
+            "bos_token": "<s>",
+            "chat_template": LLAVA_CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "</s>",
+            "legacy": False,
+            "model_max_length": 4096,
+            "pad_token": "<pad>",
+            "padding_side": "left",
+            "processor_class": "LlavaProcessor",
+            "sp_model_kwargs": {},
+            "tokenizer_class": "LlamaTokenizer",
+            "unk_token": "<unk>",
+            "use_default_system_prompt": False,
+        },
+        "chat_template.json": {"chat_template": LLAVA_CHAT_TEMPLATE},
+        # Without patch_size / vision_feature_select_strategy / num_additional_image_tokens the HF
+        # processor does not expand <image> to 576 tokens.
+        "processor_config.json": {
+            "image_token": "<image>",
+            "num_additional_image_tokens": 1,
+            "patch_size": 14,
+            "processor_class": "LlavaProcessor",
+            "vision_feature_select_strategy": "default",
+        },
+        "preprocessor_config.json": {
+            "crop_size": {"height": 336, "width": 336},
+            "do_center_crop": True,
+            "do_convert_rgb": True,
+            "do_normalize": True,
+            "do_rescale": True,
+            "do_resize": True,
+            "image_mean": CLIP_MEAN,
+            "image_processor_type": "CLIPImageProcessor",
+            "image_std": CLIP_STD,
+            "processor_class": "LlavaProcessor",
+            "resample": 3,
+            "rescale_factor": 0.00392156862745098,
+            "size": {"shortest_edge": 336},
+        },
+        "generation_config.json": {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": LLAVA_PAD_TOKEN_ID},
+        "config.json": {
+            "architectures": ["LlavaForConditionalGeneration"],
+            "ignore_index": -100,
+            "image_seq_length": 576,
+            "image_token_index": LLAVA_IMAGE_TOKEN_ID,
+            "model_type": "llava",
+            "pad_token_id": LLAVA_PAD_TOKEN_ID,
+            "projector_hidden_act": "gelu",
+            "text_config": {
+                "architectures": ["LlamaForCausalLM"],
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "head_dim": 64,
+                "hidden_act": "silu",
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "max_position_embeddings": 4096,
+                "model_type": "llama",
+                "num_attention_heads": 2,
+                "num_hidden_layers": 2,
+                "num_key_value_heads": 2,
+                "rms_norm_eps": 1e-05,
+                "rope_theta": 10000.0,
+                "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16",
+                "vocab_size": LLAVA_VOCAB_SIZE,
+            },
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "vision_config": {
+                "hidden_act": "quick_gelu",
+                "hidden_size": 64,
+                "image_size": 336,  # vLLM requires inputs of exactly this size
+                "intermediate_size": 128,
+                "layer_norm_eps": 1e-05,
+                "model_type": "clip_vision_model",
+                "num_attention_heads": 2,
+                "num_hidden_layers": 2,
+                "patch_size": 14,
+                "projection_dim": 64,
+            },
+            "vision_feature_layer": -2,
+            "vision_feature_select_strategy": "default",
+            "vocab_size": LLAVA_VOCAB_SIZE,
+        },
+    }
+
+
+def build_tiny_llava(dest: Path, seed: int = 0) -> Path:
+    """A tiny LLaVA-1.5 (CLIP ViT 336/14 tower with 2 layers, Llama decoder hidden 128) with random
+    bf16 weights, in llava-hf's file and state-dict layout. Returns ``dest``."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, content in _llava_files().items():
+        text = content if isinstance(content, str) else json.dumps(content, indent=2, sort_keys=True) + "\n"
+        (dest / name).write_text(text, encoding="utf-8")
+    config = LlavaConfig.from_pretrained(dest)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    _redraw_(model, seed)
+    # transformers 5 names the CLIP tower `model.vision_tower.*`; llava-hf checkpoints (and vLLM's
+    # loader) have `model.vision_tower.vision_model.*`. Save the state dict ourselves in that layout.
+    state = {}
+    for k, v in model.state_dict().items():
+        if k.startswith("model.vision_tower.") and not k.startswith("model.vision_tower.vision_model."):
+            k = "model.vision_tower.vision_model." + k[len("model.vision_tower."):]
+        state[k] = v.to(torch.bfloat16).contiguous()
+    save_file(dict(sorted(state.items())), str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest

