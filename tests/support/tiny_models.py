@@ -117,7 +117,8 @@ def _llama_style_tokenizer_json() -> str:
         min_frequency=2,
         show_progress=False,
         special_tokens=["<unk>", "<s>", "</s>", *byte_tokens],  # ids 0..258, in this order
-        limit_alphabet=150,  # rarer characters go through byte fallback, as in Llama
+        # No limit_alphabet: its frequency ties are broken in hash order (non-deterministic output).
+        # Characters absent from the corpus still go through byte fallback, as in Llama.
     )
     tok.train_from_iterator(_corpus_lines(), trainer=trainer)
     got = tok.get_vocab_size(with_added_tokens=True)

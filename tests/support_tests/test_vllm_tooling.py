@@ -377,3 +377,70 @@ def test_headless_engine_handshake_and_greedy_matches_reference(headless, refere
     assert outs.utility_output.failure_message is None
     assert outs.utility_output.result is not None  # UtilityResult wrapping False
     print(f"headless READY after {fe.ready_seconds:.1f}s; ready response: {rr}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny LLaVA-1.5
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory) -> Path:
+    from tests.support.tiny_models import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny_llava"), seed=0)
+
+
+def test_tiny_llava_builds_deterministically_and_loads(tmp_path, tiny_llava):
+    import numpy as np
+    from PIL import Image
+    from tokenizers import Tokenizer
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from tests.support.tiny_models import LLAVA_IMAGE_TOKEN_ID, build_tiny_llava
+
+    again = build_tiny_llava(tmp_path / "again", seed=0)
+    for f in sorted(p.name for p in tiny_llava.iterdir()):
+        assert (again / f).read_bytes() == (tiny_llava / f).read_bytes(), f
+
+    tok = AutoTokenizer.from_pretrained(tiny_llava)
+    raw = Tokenizer.from_file(str(tiny_llava / "tokenizer.json"))
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 1501)
+    for s in ["Hello world!", "USER: <image>\nWhat is this? ASSISTANT:", "你好 😀 café", "  two  spaces"]:
+        assert tok.encode(s) == raw.encode(s).ids  # both add <s>
+        if "<image>" not in s:
+            assert raw.decode(raw.encode(s).ids) == s
+    # Llama-2 style: the Prepend("▁") normalizer runs on each segment between added tokens, so text
+    # right after <image> gets a "▁" (a space) that decoding without special tokens shows.
+    assert raw.decode(raw.encode("USER: <image>\nHi").ids) == "USER:  \nHi"
+
+    proc = AutoProcessor.from_pretrained(tiny_llava)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == "USER: <image>\nWhat is this? ASSISTANT:"
+    out = proc(text=[text], images=[Image.fromarray(np.zeros((400, 500, 3), np.uint8))], return_tensors="np")
+    ids = out["input_ids"][0].tolist()
+    assert ids[0] == 1  # the HF processor adds <s>; vLLM's chat path does not (see below)
+    assert ids.count(LLAVA_IMAGE_TOKEN_ID) == 576 and out["pixel_values"].shape == (1, 3, 336, 336)
+
+
+@pytest.mark.real_engine
+def test_tiny_llava_offline_reference(tiny_llava):
+    from tests.support.tiny_models import LLAVA_IMAGE_TOKEN_ID
+
+    def chat(uri):
+        return {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "What is this?"}]}],
+            "sampling": GREEDY}
+
+    cases = [
+        {"prompt_token_ids": [1, 652, 811, 730, 708], "sampling": GREEDY},
+        {"prompt_token_ids": [1, 300, 301, 302], "sampling": GREEDY},
+        chat(_png_data_uri(336, 336, seed=0)),
+        chat(_png_data_uri(336, 336, seed=1)),
+    ]
+    res = run_offline_reference(tiny_llava, cases)
+    outs = [r.outputs[0].token_ids for r in res]
+    assert len({tuple(o) for o in outs}) == len(outs)
+    assert all(len(set(o)) > 3 for o in outs)
+    ids = res[2].prompt_token_ids
+    assert ids.count(LLAVA_IMAGE_TOKEN_ID) == 576
+    assert ids[0] != 1  # vLLM's chat path: rendered template tokenized without <s>
