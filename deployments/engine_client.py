@@ -17,7 +17,8 @@ import msgspec
 from ray import serve
 
 from mmserve.builtin_engine.launcher import BuiltinEngineProcess
-from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineState
+from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineState, PromptAccepted, admit
+from mmserve.multimodal import ProcessedImages
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest
 from serve_app.config import AppConfig, EngineEndpoint
 
@@ -73,8 +74,15 @@ class EngineClientServer:
         self._start_task = asyncio.create_task(self.client.start())
         self._start_task.add_done_callback(_log_start_failure)
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[list[EngineCoreOutput]]:
-        await self.client.wait_ready(self.config.engine_wait_timeout_s)
+    async def generate(
+        self, request: EngineCoreRequest, images: ProcessedImages | None = None
+    ) -> AsyncIterator[PromptAccepted | list[EngineCoreOutput]]:
+        """Stream the request's outputs. With images (resolved by Ray from the preprocessor's
+        response, zero-copy), expand their placeholders first and announce the final prompt."""
+        ready = await self.client.wait_ready(self.config.engine_wait_timeout_s)
+        if images is not None:
+            request = admit(request, ready.max_model_len, images)
+            yield PromptAccepted(request.prompt_token_ids or [])
         async for batch in self.client.generate(request):
             yield batch
 
@@ -126,9 +134,11 @@ class EngineClientDeployment:
         self.server = EngineClientServer(AppConfig.model_validate(config), EngineEndpoint.model_validate(endpoint))
         await self.server.start()
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[list[EngineCoreOutput]]:
-        async for batch in self.server.generate(request):
-            yield batch
+    async def generate(
+        self, request: EngineCoreRequest, images: ProcessedImages | None = None
+    ) -> AsyncIterator[PromptAccepted | list[EngineCoreOutput]]:
+        async for item in self.server.generate(request, images):
+            yield item
 
     async def info(self) -> EngineInfo:
         return await self.server.info()

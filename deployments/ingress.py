@@ -64,9 +64,13 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 )
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, config: dict[str, Any], engines: list[DeploymentHandle]) -> None:
+    def __init__(
+        self, config: dict[str, Any], engines: list[DeploymentHandle], preprocessor: DeploymentHandle | None = None
+    ) -> None:
         self.config = AppConfig.model_validate(config)
-        self.router = EngineHandleRouter(engines, wait_timeout_s=self.config.engine_wait_timeout_s)
+        self.router = EngineHandleRouter(
+            engines, preprocessor=preprocessor, wait_timeout_s=self.config.engine_wait_timeout_s
+        )
         self.server = OpenAIServer(self.config, self.router)
         logger.info("mmserve ingress serving %s from %s", self.server.model_name, self.config.model_dir)
 

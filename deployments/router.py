@@ -12,9 +12,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from mmserve.engine import EngineDeadError, EngineNotReadyError
+from mmserve.engine import EngineDeadError, EngineNotReadyError, InvalidRequestError, PromptAccepted
+from mmserve.multimodal import ImageBatchRequest
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest
 from serve_app.openai_serving import EngineLimits
 
@@ -24,8 +25,16 @@ logger = logging.getLogger("ray.serve")
 
 
 class EngineHandleRouter:
-    def __init__(self, handles: list[DeploymentHandle], *, wait_timeout_s: float, refresh_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        handles: list[DeploymentHandle],
+        *,
+        preprocessor: DeploymentHandle | None = None,
+        wait_timeout_s: float,
+        refresh_interval_s: float = 1.0,
+    ) -> None:
         self._handles = handles
+        self._preprocessor = preprocessor
         self._infos: list[EngineInfo | None] = [None] * len(handles)
         self._in_flight = [0] * len(handles)
         self._wait_timeout_s = wait_timeout_s
@@ -70,13 +79,26 @@ class EngineHandleRouter:
         ready = await self._wait_for_ready()
         info = self._infos[ready[0]]
         assert info is not None and info.max_model_len is not None
-        return EngineLimits(max_model_len=info.max_model_len, engine_kind="mmserve-builtin" if info.builtin else "vllm")
+        return EngineLimits(
+            max_model_len=info.max_model_len,
+            engine_kind="mmserve-builtin" if info.builtin else "vllm",
+            dtype=info.dtype or "bfloat16",
+        )
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[list[EngineCoreOutput]]:
+    def preprocess(self, request: ImageBatchRequest) -> DeploymentResponse:
+        """Start preprocessing. The response is handed to the engine client unawaited: Ray
+        resolves it there, so the pixels never pass through this process."""
+        if self._preprocessor is None:
+            raise InvalidRequestError("this application has no image preprocessor", "messages")
+        return self._preprocessor.process.remote(request)
+
+    async def generate(
+        self, request: EngineCoreRequest, images: DeploymentResponse | None = None
+    ) -> AsyncIterator[PromptAccepted | list[EngineCoreOutput]]:
         ready = await self._wait_for_ready()
         index = min(ready, key=lambda i: self._in_flight[i])
         self._in_flight[index] += 1
-        response = self._handles[index].options(stream=True).generate.remote(request)
+        response = self._handles[index].options(stream=True).generate.remote(request, images)
         finished = False
         try:
             async for batch in response:
@@ -85,8 +107,23 @@ class EngineHandleRouter:
         except (EngineDeadError, EngineNotReadyError):
             self._refreshed_at = 0.0  # look again before routing the next request
             raise
+        except Exception as exc:
+            # Errors raised by a deployment this call depended on (the preprocessor) arrive
+            # wrapped once per hop; hand the caller the original, typed error.
+            raise _unwrap(exc) from None
         finally:
             self._in_flight[index] -= 1
             if not finished:
                 # Cancels the engine client's generator, whose cleanup aborts the request.
                 response.cancel()
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The innermost cause of a chain of Ray task errors."""
+    seen = 0
+    while seen < 8:
+        cause = getattr(exc, "cause", None)
+        if not isinstance(cause, BaseException) or cause is exc:
+            break
+        exc, seen = cause, seen + 1
+    return exc

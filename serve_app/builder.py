@@ -19,6 +19,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     # Imported here so that `import serve_app` stays light for tools and tests.
     from deployments.engine_client import EngineClientDeployment
     from deployments.ingress import Ingress
+    from deployments.preprocessor import PreprocessorDeployment, preprocessor_options
+    from mmserve.multimodal import load_image_family
 
     config = AppConfig.model_validate(args or {})
     config_dict = config.model_dump(mode="json")
@@ -26,4 +28,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         EngineClientDeployment.options(name=f"EngineClient{i}").bind(config_dict, endpoint.model_dump(mode="json"))
         for i, endpoint in enumerate(config.engine_endpoints())
     ]
-    return Ingress.options(num_replicas=config.ingress_replicas).bind(config_dict, engines)
+    preprocessor = None
+    if load_image_family(config.model_dir) is not None:
+        preprocessor = PreprocessorDeployment.options(**preprocessor_options(config)).bind(config_dict)
+    return Ingress.options(num_replicas=config.ingress_replicas).bind(config_dict, engines, preprocessor)

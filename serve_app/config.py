@@ -66,6 +66,43 @@ class LimitsConfig(BaseModel):
     max_messages: int = 1024
 
 
+class ImagesConfig(BaseModel):
+    """Image inputs: how they are fetched, limited and turned into pixels."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # What the engines expect: "device_normalize" = uint8 patches (vLLM 0.32's default for
+    # Qwen2-VL), "host_normalize" = normalised floats in the engine's dtype (engines started
+    # with --no-mm-device-do-normalize; LLaVA always). Logged at start-up, never guessed.
+    pixel_mode: Literal["device_normalize", "host_normalize"] = "device_normalize"
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 * 1024 * 1024
+    # Checked from the image header, before any decoding (decompression bombs).
+    max_image_pixels: int = 50_000_000
+    fetch_timeout_s: float = 10.0
+    max_redirects: int = 3
+    # URL fetching refuses loopback/private/link-local targets unless allowed here.
+    allow_private_networks: bool = False
+    allowed_hosts: list[str] = []
+    # file:// URLs are refused unless this names a directory; only files below it are served.
+    allowed_local_dir: str | None = None
+
+
+class PreprocessorDeploymentConfig(BaseModel):
+    """The preprocessing deployment: its own CPU reservation and autoscaling."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_cpus: float = 1.0
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_ongoing_requests: float = 2.0
+    upscale_delay_s: float = 2.0
+    downscale_delay_s: float = 10.0
+    look_back_period_s: float = 2.0
+    max_ongoing_requests: int = 8
+
+
 class AppConfig(BaseModel):
     """Arguments of `serve_app.build_app`.
 
@@ -81,6 +118,8 @@ class AppConfig(BaseModel):
     engines: Literal["builtin"] | list[EngineEndpoint] = BUILTIN
     builtin_engine: BuiltinEngineConfig = Field(default_factory=BuiltinEngineConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    images: ImagesConfig = Field(default_factory=ImagesConfig)
+    preprocessor: PreprocessorDeploymentConfig = Field(default_factory=PreprocessorDeploymentConfig)
     # Engine client: a handshake can take minutes while vLLM loads a model.
     handshake_timeout_s: float = 900.0
     health_check_interval_s: float = 1.0
@@ -101,7 +140,7 @@ class AppConfig(BaseModel):
             return [{"handshake": v.strip()} if isinstance(v, str) else v for v in value]
         return value
 
-    @field_validator("builtin_engine", "limits", "cors_allow_origins", mode="before")
+    @field_validator("builtin_engine", "limits", "images", "preprocessor", "cors_allow_origins", mode="before")
     @classmethod
     def _parse_json(cls, value: Any) -> Any:
         return json.loads(value) if isinstance(value, str) else value

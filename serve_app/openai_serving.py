@@ -21,7 +21,9 @@ from typing import Protocol
 
 from jinja2 import TemplateError
 
-from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError
+from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, InvalidRequestError, PromptAccepted
+from mmserve.multimodal import ImageBatchRequest, PixelMode, load_image_family
+from mmserve.multimodal.errors import ImageInputError
 from mmserve.text import (
     ChatMessage as TextChatMessage,
     IncrementalDetokenizer,
@@ -66,6 +68,7 @@ class EngineLimits:
 
     max_model_len: int
     engine_kind: str  # "vllm" or "mmserve-builtin"
+    dtype: str = "bfloat16"
 
 
 class EngineRouter(Protocol):
@@ -73,7 +76,13 @@ class EngineRouter(Protocol):
 
     async def limits(self) -> EngineLimits: ...
 
-    def generate(self, request: EngineCoreRequest) -> AsyncIterator[list[EngineCoreOutput]]: ...
+    def generate(
+        self, request: EngineCoreRequest, images: object | None = None
+    ) -> AsyncIterator[PromptAccepted | list[EngineCoreOutput]]: ...
+
+    def preprocess(self, request: ImageBatchRequest) -> object:
+        """Start preprocessing; returns an opaque handle to pass to `generate` (never awaited here)."""
+        ...
 
 
 @dataclass
@@ -110,6 +119,8 @@ class PreparedRequest:
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     min_tokens: int
+    # Opaque preprocessing response (never resolved in the ingress), or None for text only.
+    images: object | None = None
 
 
 class OpenAIServer:
@@ -118,7 +129,9 @@ class OpenAIServer:
         self.router = router
         self.model_files = ModelFiles.load(config.model_dir)
         self.tokenizer = Tokenizer.from_model_files(self.model_files)
-        self.chat_template = load_chat_template(self.model_files)
+        self.image_family = load_image_family(config.model_dir)
+        placeholders = self.image_family.chat_placeholders if self.image_family else None
+        self.chat_template = load_chat_template(self.model_files, placeholders) if placeholders else load_chat_template(self.model_files)
         self.model_name = config.model_name
 
     # ------------------------------------------------------------------ endpoints
@@ -142,13 +155,58 @@ class OpenAIServer:
             )
         except (ValueError, TemplateError) as exc:
             raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+        image_urls = self._image_urls(request)
         # vLLM's chat path tokenizes the rendered template without adding special tokens.
+        # Each image is ONE placeholder token here; the engine client expands it once the
+        # preprocessor has measured the image, so tokenization never waits for pixels.
         prompt_ids = self.tokenizer.encode(prompt_text, add_special_tokens=False)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        prepared = await self._prepare(request, prompt_ids, max_tokens, "chatcmpl", self._structured_outputs(request))
+        prepared = await self._prepare(
+            request, prompt_ids, max_tokens, "chatcmpl", self._structured_outputs(request), num_images=len(image_urls)
+        )
+        if image_urls:
+            limits = await self.router.limits()
+            prepared.images = self.router.preprocess(
+                ImageBatchRequest(urls=image_urls, pixel_mode=PixelMode(self.config.images.pixel_mode), engine_dtype=limits.dtype)
+            )
         if request.stream:
-            return self._chat_stream(request, prepared)
+            return await self._started(self._chat_stream(request, prepared))
         return await self._chat_full(request, prepared)
+
+    def _image_urls(self, request: ChatCompletionRequest) -> list[str]:
+        """Image URLs in prompt order, checked for count and scheme before any work is started."""
+        urls = [
+            part.image_url.url
+            for message in request.messages
+            if isinstance(message.content, list)
+            for part in message.content
+            if part.type == "image_url"
+        ]
+        if not urls:
+            return urls
+        if self.image_family is None:
+            raise bad_request(f"the model {self.model_name} does not take image inputs", "messages")
+        limit = self.config.images.max_images_per_request
+        if len(urls) > limit:
+            raise bad_request(f"{len(urls)} images in one request; at most {limit} are allowed", "messages")
+        for url in urls:
+            scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+            if scheme not in ("data", "http", "https", "file"):
+                raise bad_request(f"unsupported image URL scheme {scheme or url[:16]!r}", "messages")
+        return urls
+
+    @staticmethod
+    async def _started(stream: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Run a response stream up to its first chunk before answering, so that errors found
+        on the way (bad images, no engine, admission) get their HTTP status instead of a 200."""
+        first = await anext(stream)
+
+        async def chained() -> AsyncIterator[str]:
+            yield first
+            async for chunk in stream:
+                yield chunk
+
+        return chained()
 
     async def completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self._check_model(request.model)
@@ -167,7 +225,7 @@ class OpenAIServer:
             raise bad_request("the prompt is empty", "prompt")
         prepared = await self._prepare(request, prompt_ids, request.max_tokens, "cmpl", None)
         if request.stream:
-            return self._completion_stream(request, prepared)
+            return await self._started(self._completion_stream(request, prepared))
         return await self._completion_full(request, prepared)
 
     # ------------------------------------------------------------------ preparation
@@ -199,6 +257,7 @@ class OpenAIServer:
         max_tokens: int | None,
         id_prefix: str,
         structured: StructuredOutputsParams | None,
+        num_images: int = 0,
     ) -> PreparedRequest:
         try:
             limits = await self.router.limits()
@@ -218,10 +277,15 @@ class OpenAIServer:
                 "context_length_exceeded",
             )
         defaults = self.model_files.generation_config.sampling_defaults
+        # With images the final prompt length is known only after preprocessing: the engine
+        # client completes these checks (and the max_tokens default) for image requests.
+        resolved_max_tokens = max_tokens
         if max_tokens is None:
             max_tokens = max_model_len - prompt_len
             if defaults.max_tokens is not None:
-                max_tokens = min(max_tokens, defaults.max_tokens)
+                max_tokens = resolved_max_tokens = min(max_tokens, defaults.max_tokens)
+            elif not num_images:
+                resolved_max_tokens = max_tokens
         elif prompt_len + max_tokens > max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -256,7 +320,7 @@ class OpenAIServer:
             stop=stop or None,
             stop_token_ids=stop_ids.stop_token_ids or None,
             ignore_eos=request.ignore_eos,
-            max_tokens=max_tokens,
+            max_tokens=resolved_max_tokens,
             min_tokens=request.min_tokens,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
@@ -305,22 +369,17 @@ class OpenAIServer:
 
     async def _choice_deltas(self, prepared: PreparedRequest, index: int) -> AsyncIterator[ChoiceDelta]:
         """Stream one choice: engine tokens → text deltas, stop strings, finish reasons."""
-        detok = IncrementalDetokenizer(
-            self.tokenizer,
-            prepared.prompt_token_ids,
-            skip_special_tokens=prepared.skip_special_tokens,
-            spaces_between_special_tokens=prepared.spaces_between_special_tokens,
-        )
-        seq = SequenceText(
-            detok,
-            stop=prepared.stop,
-            include_stop_str_in_output=prepared.include_stop_str_in_output,
-            min_tokens=prepared.min_tokens,
-        )
+        seq: SequenceText | None = None
         emitted_ids = 0
-        engine_stream = self.router.generate(self._engine_request(prepared, index))
+        engine_stream = self.router.generate(self._engine_request(prepared, index), prepared.images)
         try:
             async for batch in engine_stream:
+                if isinstance(batch, PromptAccepted):
+                    # Image placeholders expanded by the engine client: the prompt as the engine has it.
+                    prepared.prompt_token_ids = batch.prompt_token_ids
+                    continue
+                if seq is None:
+                    seq = self._sequence_text(prepared)
                 for output in batch:
                     finish = output.finish_reason
                     if finish is FinishReason.ERROR:
@@ -338,6 +397,10 @@ class OpenAIServer:
                     if finish_reason is not None:
                         return
             raise OpenAIError("the engine stream ended without finishing the request", status=500)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        except ImageInputError as exc:
+            raise bad_request(str(exc), "messages", "invalid_image") from None
         except EngineNotReadyError as exc:
             raise OpenAIError(f"no engine is ready: {exc}", status=503, retry_after_s=5) from None
         except EngineDeadError as exc:
@@ -345,6 +408,20 @@ class OpenAIServer:
         finally:
             # Closing the engine stream early aborts the request in the engine.
             await engine_stream.aclose()
+
+    def _sequence_text(self, prepared: PreparedRequest) -> SequenceText:
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            prepared.prompt_token_ids,
+            skip_special_tokens=prepared.skip_special_tokens,
+            spaces_between_special_tokens=prepared.spaces_between_special_tokens,
+        )
+        return SequenceText(
+            detok,
+            stop=prepared.stop,
+            include_stop_str_in_output=prepared.include_stop_str_in_output,
+            min_tokens=prepared.min_tokens,
+        )
 
     async def _merged_deltas(self, prepared: PreparedRequest) -> AsyncIterator[ChoiceDelta]:
         """All choices' deltas, interleaved as they arrive (n > 1 runs concurrently)."""
@@ -428,13 +505,17 @@ class OpenAIServer:
             return _sse(body.model_dump_json(exclude_none=True))
 
         completion_tokens = 0
+        deltas = self._merged_deltas(prepared)
+        # Wait for the first output before the first chunk, outside the SSE error handling:
+        # errors found until then (bad images, no engine) become HTTP errors (see `_started`).
+        first_delta = await anext(deltas, None)
         try:
             # First chunk of every choice announces the role, as OpenAI and vLLM do.
             yield chunk(
                 [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(prepared.n)],
                 first=True,
             )
-            async for delta in self._merged_deltas(prepared):
+            async for delta in _prepend(first_delta, deltas):
                 completion_tokens += len(delta.token_ids)
                 if not delta.text and delta.finish_reason is None and not (with_ids and delta.token_ids):
                     continue
@@ -478,8 +559,10 @@ class OpenAIServer:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         completion_tokens = 0
         sent_prompt_ids: set[int] = set()
+        deltas = self._merged_deltas(prepared)
+        first_delta = await anext(deltas, None)  # errors before the first output: HTTP errors
         try:
-            async for delta in self._merged_deltas(prepared):
+            async for delta in _prepend(first_delta, deltas):
                 completion_tokens += len(delta.token_ids)
                 if not delta.text and delta.finish_reason is None and not (with_ids and delta.token_ids):
                     continue
@@ -521,3 +604,11 @@ def _to_text_message(message: ChatMessage) -> TextChatMessage:
             TextContentPart(part.text) if part.type == "text" else MediaPart("image") for part in content
         )
     return TextChatMessage(role=message.role, content=content, name=message.name, tool_call_id=message.tool_call_id)
+
+
+async def _prepend(first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+    if first is None:
+        return
+    yield first
+    async for item in rest:
+        yield item

@@ -19,9 +19,6 @@ _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 def check_chat_request(request: ChatCompletionRequest) -> None:
     if request.logprobs or request.top_logprobs:
         raise bad_request("logprobs are not supported by this server yet", "logprobs")
-    for message in request.messages:
-        if isinstance(message.content, list) and any(part.type == "image_url" for part in message.content):
-            raise bad_request("image inputs are not enabled on this server yet", "messages")
     if request.tools:
         raise bad_request("tool calling is not supported by this server yet", "tools")
     if request.add_generation_prompt and request.continue_final_message:

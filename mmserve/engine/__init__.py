@@ -2,9 +2,10 @@
 
 from .client import EngineClient, EngineClientConfig, EngineState
 from .errors import EngineDeadError, EngineError, EngineNotReadyError, EngineRequestError, EngineVersionError
+from .guard import InvalidRequestError, PromptAccepted, admit
 from .transport import EngineAddresses
 
 __all__ = [
     "EngineAddresses", "EngineClient", "EngineClientConfig", "EngineDeadError", "EngineError",
-    "EngineNotReadyError", "EngineRequestError", "EngineState", "EngineVersionError",
+    "EngineNotReadyError", "EngineRequestError", "InvalidRequestError", "PromptAccepted", "admit", "EngineState", "EngineVersionError",
 ]

@@ -28,6 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ..wire import EngineCoreOutput, EngineCoreRequest, EngineDeadMessage, OutputDecoder, ReadyResponse, RequestEncoder, SchedulerStats
 from .errors import EngineDeadError, EngineError, EngineNotReadyError
+from .guard import InvalidRequestError, admit
 from .transport import EngineAddresses, EngineTransport
 
 logger = logging.getLogger(__name__)
@@ -150,9 +151,12 @@ class EngineClient:
         Closing or cancelling the iteration before the engine finished aborts the request.
         """
         self._raise_if_unusable()
+        assert self.ready is not None
+        request = admit(request, self.ready.max_model_len)
         request_id = request.request_id
         if request_id in self._streams:
-            raise EngineError(f"duplicate request id {request_id!r}")
+            # vLLM asserts on duplicate ids inside the engine, which kills it.
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
         stream = _RequestStream()
         self._streams[request_id] = stream
         try:

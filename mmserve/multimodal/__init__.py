@@ -1,0 +1,12 @@
+"""Images between the tiers: the preprocessing request/response types, model families,
+the preprocessor (fetch → decode → process) and the engine-side feature builder."""
+
+from .families import ImageFamily, LlavaFamily, Qwen2VLFamily, UnsupportedImageFamily, load_image_family, pixel_dtype_for
+from .features import PlaceholderMismatch, check_features, expand_image_placeholders
+from .types import ImageBatchRequest, ImageField, PixelMode, ProcessedImage, ProcessedImages
+
+__all__ = [
+    "ImageBatchRequest", "ImageFamily", "ImageField", "LlavaFamily", "PixelMode", "PlaceholderMismatch",
+    "ProcessedImage", "ProcessedImages", "Qwen2VLFamily", "UnsupportedImageFamily", "check_features",
+    "expand_image_placeholders", "load_image_family", "pixel_dtype_for",
+]
