@@ -175,9 +175,12 @@ async def test_max_model_len_gives_length(engine, tokenizer):
     prompt = [100] * (MAX_MODEL_LEN - 6)
     tokens, last = await run(engine.client, make_request(prompt, max_tokens=None, ignore_eos=True))
     assert len(tokens) == 6 and last.finish_reason is FinishReason.LENGTH
-    # A prompt that does not fit is rejected.
-    tokens, last = await run(engine.client, make_request([100] * MAX_MODEL_LEN, max_tokens=4))
-    assert tokens == [] and last.finish_reason is FinishReason.ERROR
+    # A prompt that does not fit never reaches the engine: the client's admission guard refuses it
+    # (a real vLLM engine dies on such a request).
+    from mmserve.engine import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        await run(engine.client, make_request([100] * MAX_MODEL_LEN, max_tokens=4))
 
 
 async def test_stop_token_ids(engine, tokenizer):
@@ -229,7 +232,7 @@ async def test_64_concurrent_requests(engine, tokenizer):
 
 async def test_abort_mid_stream_leaves_no_work(engine, tokenizer):
     prompt = prompt_of(tokenizer, "A very long story, please.")
-    gen = engine.client.generate(make_request(prompt, max_tokens=100_000, ignore_eos=True))
+    gen = engine.client.generate(make_request(prompt, max_tokens=None, ignore_eos=True))
     seen = 0
     async for batch in gen:
         seen += len(batch)
@@ -323,8 +326,16 @@ async def test_inconsistent_multimodal_gives_error_and_engine_keeps_serving(engi
     elif case == "length_mismatch":
         length = 3
     feature = image_feature(pixels, grid, offset, length, f"img-bad-{case}")
-    tokens, last = await run(engine.client, make_request(prompt, mm=[feature], max_tokens=20))
-    assert tokens == [] and last.finish_reason is FinishReason.ERROR
+    if case == "grid_mismatch":
+        # Family-specific consistency: only the engine knows; it answers ERROR and lives on.
+        tokens, last = await run(engine.client, make_request(prompt, mm=[feature], max_tokens=20))
+        assert tokens == [] and last.finish_reason is FinishReason.ERROR
+    else:
+        # Placeholder/feature inconsistencies never reach the engine: the client's guard refuses them.
+        from mmserve.engine import InvalidRequestError
+
+        with pytest.raises(InvalidRequestError):
+            await run(engine.client, make_request(prompt, mm=[feature], max_tokens=20))
     tokens, last = await run(engine.client, make_request(prompt_of(tokenizer, "Still there?"), max_tokens=4))
     assert len(tokens) == 4 and last.finish_reason is FinishReason.LENGTH
 
@@ -358,7 +369,7 @@ async def test_garbage_on_input_socket_does_not_kill_it(engine, tokenizer):
 async def test_sigterm_aborts_open_requests():
     eng = await Engine(step_ms=20).start()
     try:
-        reqs = [make_request([10 + i, 11, 12], max_tokens=100_000, ignore_eos=True) for i in range(3)]
+        reqs = [make_request([10 + i, 11, 12], max_tokens=None, ignore_eos=True) for i in range(3)]
         finals: dict[str, FinishReason] = {}
 
         async def consume(req):
@@ -379,7 +390,7 @@ async def test_sigterm_aborts_open_requests():
 async def test_sigkill_is_noticed_quickly():
     eng = await Engine(step_ms=20).start()
     try:
-        gen = eng.client.generate(make_request([1, 2, 3], max_tokens=100_000, ignore_eos=True))
+        gen = eng.client.generate(make_request([1, 2, 3], max_tokens=None, ignore_eos=True))
         await gen.__anext__()
         eng.proc.kill()
         started = time.monotonic()
@@ -396,7 +407,7 @@ async def test_sigkill_is_noticed_quickly():
 async def test_fatal_error_sends_engine_core_dead():
     eng = await Engine(env={"MMSERVE_BUILTIN_ENGINE_TEST_HOOKS": "1"}).start()
     try:
-        gen = eng.client.generate(make_request([1, 2, 3], max_tokens=100_000, ignore_eos=True))
+        gen = eng.client.generate(make_request([1, 2, 3], max_tokens=None, ignore_eos=True))
         await gen.__anext__()
         with pytest.raises(EngineError):
             await eng.client.call_utility("mmserve_test_fatal", timeout_s=5)
