@@ -1,0 +1,33 @@
+"""Image preprocessing for the gateway: bytes -> the exact pixels vLLM 0.32 would send its engine.
+
+numpy + Pillow only (never torch, transformers or vllm). One module per model family:
+
+    rgb = decode_rgb(data)                                   # image_io: limits, EXIF, mode -> RGB
+    header = read_header(data)                               # size without decoding
+    qwen = Qwen2VLSettings.from_file("preprocessor_config.json")
+    qwen.num_image_tokens(header.width, header.height)       # before decoding
+    image = qwen.process(rgb, PixelDtype.UINT8)              # pixel_values, image_grid_thw, num_tokens
+    image.content_hash                                       # the engine's mm_hash / identifier
+"""
+
+from .image_io import ImageError, ImageHeader, ImageLimits, decode_rgb, read_header
+from .llava import LlavaImage, LlavaSettings
+from .pixels import Normalization, PixelDtype
+from .qwen2_vl import Qwen2VLImage, Qwen2VLSettings, smart_resize
+from .resize import resize_rgb
+
+__all__ = [
+    "ImageError",
+    "ImageHeader",
+    "ImageLimits",
+    "LlavaImage",
+    "LlavaSettings",
+    "Normalization",
+    "PixelDtype",
+    "Qwen2VLImage",
+    "Qwen2VLSettings",
+    "decode_rgb",
+    "read_header",
+    "resize_rgb",
+    "smart_resize",
+]

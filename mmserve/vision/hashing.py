@@ -1,0 +1,39 @@
+"""Content hashes for processed images: the engine's `mm_hash` / `identifier`.
+
+The engine keys its encoder cache, its multimodal receiver cache and prefix-cache blocks on this
+string, so equal strings must mean equal pixels as the engine receives them. The hash therefore covers
+the processed pixels plus everything that turns them into the tensor on the wire: the model family,
+the processor settings and the output dtype. It is a full SHA-256 digest (64 hex characters), never
+truncated: a collision would silently answer about the wrong image.
+
+What is hashed are the resized uint8 pixels (after resizing and cropping), not the final patches: the
+patch layout, the temporal duplication, the normalisation and the dtype cast are deterministic
+functions of those pixels and of the settings, which are hashed too, so the key identifies the same
+content while hashing 2x (uint8 Qwen patches) to 8x (float32 patches) fewer bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+__all__ = ["content_hash"]
+
+_VERSION = b"mmserve.vision/1"  # bump if the meaning of the hashed fields ever changes
+
+
+def content_hash(*, family: str, settings: str, output_dtype: str, pixels: np.ndarray) -> str:
+    """SHA-256 hex over (family, settings, output dtype, pixel shape and dtype, pixel bytes).
+
+    `settings` is a canonical text form of the processor settings (the settings dataclass's repr);
+    every text field is length-prefixed so that no two different field tuples hash the same bytes.
+    """
+    digest = hashlib.sha256()
+    digest.update(_VERSION)
+    for field in (family, settings, output_dtype, pixels.dtype.str, repr(tuple(pixels.shape))):
+        encoded = field.encode()
+        digest.update(len(encoded).to_bytes(8, "little"))
+        digest.update(encoded)
+    digest.update(memoryview(np.ascontiguousarray(pixels)).cast("B"))
+    return digest.hexdigest()

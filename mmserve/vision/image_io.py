@@ -1,0 +1,146 @@
+"""Untrusted image bytes -> RGB uint8 pixels, with hard limits checked before anything is decoded.
+
+The conversion to RGB copies what vLLM 0.32's media loader does (`vllm/multimodal/media/image.py`,
+`ImageMediaIO.load_bytes`, and `vllm/multimodal/image.py`), because the engine's answer depends on the
+exact pixels:
+
+1. `Image.open` (header only), then vLLM's pixel limit;
+2. `ImageOps.exif_transpose` — the EXIF orientation is applied, so a portrait phone photo stored
+   landscape comes out portrait (and its width and height swap: the token count depends on it);
+3. `load()` — for animated GIF/WebP/PNG that is the first frame;
+4. mode conversion: RGB stays; RGBA is alpha-composited onto a white background; any other mode that
+   carries transparency (LA, PA, or a `transparency` entry, e.g. a palette PNG/GIF with a transparent
+   index) is converted to RGBA first and then composited the same way; everything else (L, P, CMYK,
+   I;16, YCbCr, ...) is a plain `convert("RGB")`.
+
+Only JPEG, PNG, WebP, GIF and BMP are accepted (vLLM allows more formats; a gateway has no reason to
+parse TIFF or PSD from strangers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps
+
+__all__ = ["ImageError", "ImageHeader", "ImageLimits", "decode_rgb", "read_header"]
+
+ACCEPTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
+
+# EXIF orientations 5..8 are transposes/rotations by 90 degrees: the displayed image swaps width and height.
+_EXIF_ORIENTATION_TAG = 0x0112
+_SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})
+
+
+class ImageError(ValueError):
+    """The bytes are not an acceptable image: not an image at all, truncated, or over a limit."""
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_bytes: int = 32 * 1024 * 1024
+    # 50 megapixels decode to 150 MB of RGB; vLLM's own default (VLLM_MAX_IMAGE_PIXELS) is 178,956,970.
+    max_pixels: int = 50_000_000
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What the header says, with the EXIF orientation already applied to width and height."""
+
+    format: str  # Pillow's format name: "JPEG", "PNG", ...
+    mode: str  # Pillow's mode before conversion: "RGB", "P", "RGBA", "L", "CMYK", ...
+    width: int
+    height: int
+
+
+def read_header(data: bytes, limits: ImageLimits = ImageLimits()) -> ImageHeader:
+    """Width, height (as displayed), format and mode, without decoding pixels; enforces the limits."""
+    with _opened(data, limits) as image:
+        width, height = image.size
+        if _exif_orientation(image) in _SWAPPING_ORIENTATIONS:
+            width, height = height, width
+        return ImageHeader(format=image.format or "", mode=image.mode, width=width, height=height)
+
+
+def decode_rgb(data: bytes, limits: ImageLimits = ImageLimits()) -> np.ndarray:
+    """Decode to an RGB uint8 array [H, W, 3] (C-contiguous, read-only), converting exactly as vLLM does."""
+    with _opened(data, limits) as image:
+        try:
+            # vLLM ignores any failure here (corrupt EXIF): keep the image as stored.
+            with contextlib.suppress(Exception):
+                image = ImageOps.exif_transpose(image)
+            image.load()
+            rgb = _to_rgb(image)
+            # A fresh C-contiguous array over a private copy of the pixels (read-only: it is not copied
+            # again, saving a pass over the image).
+            return np.asarray(rgb, dtype=np.uint8)
+        except (OSError, ValueError, SyntaxError, EOFError) as e:
+            raise ImageError(f"cannot decode the {image.format} image: {e}") from e
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """vLLM's `ImageMediaIO._convert_image_mode` / `convert_image_mode` for target mode RGB."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        on_white = Image.new("RGB", rgba.size, (255, 255, 255))
+        on_white.paste(rgba, mask=rgba.split()[3])
+        return on_white
+    return image.convert("RGB")
+
+
+@contextlib.contextmanager
+def _opened(data: bytes, limits: ImageLimits):
+    """Open the image lazily (Pillow parses the header only) and refuse it before decoding if too big."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ImageError(f"expected image bytes, got {type(data).__name__}")
+    if len(data) > limits.max_bytes:
+        raise ImageError(f"image is {len(data)} bytes, over the limit of {limits.max_bytes}")
+    if len(data) == 0:
+        raise ImageError("image is empty")
+    try:
+        with warnings.catch_warnings():
+            # Our own pixel limit is the one that counts; Pillow's bomb warning would only be noise.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"image dimensions are over Pillow's decompression-bomb limit: {e}") from e
+    except (Image.UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as e:
+        raise ImageError(f"not a JPEG, PNG, WebP, GIF or BMP image ({e})") from e
+    try:
+        width, height = image.size
+        if width <= 0 or height <= 0:
+            raise ImageError(f"image header claims {width}x{height} pixels")
+        if width * height > limits.max_pixels:
+            raise ImageError(
+                f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels}"
+            )
+        yield image
+    finally:
+        image.close()
+
+
+def _exif_orientation(image: Image.Image) -> int:
+    """The EXIF orientation tag (1 if none), read without decoding pixels.
+
+    `Image.getexif()` is header-only for JPEG/WebP, but for PNG it decodes the whole image when the
+    eXIf chunk was not seen before the pixel data; so for PNG only an eXIf chunk already parsed from
+    the header counts (`info["exif"]`). That matches vLLM for every PNG whose eXIf precedes IDAT, which
+    is where the PNG specification puts it.
+    """
+    with contextlib.suppress(Exception):
+        if image.format == "PNG":
+            raw = image.info.get("exif")
+            if not raw:
+                return 1
+            exif = Image.Exif()
+            exif.load(raw)
+        else:
+            exif = image.getexif()
+        return int(exif.get(_EXIF_ORIENTATION_TAG, 1) or 1)
+    return 1

@@ -1,0 +1,109 @@
+"""Image chats through the Serve graph against real vLLM 0.32 CPU engines: identical greedy tokens
+to vLLM's offline `LLM.chat` for the same messages, in both pixel modes, with images that need
+resizing (down, up, one axis) and images that do not.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import TINY_MODEL_NAME, deploy_app
+from tests.support.vllm_reference import run_offline_reference
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
+
+
+def _image_uri(width: int, height: int, seed: int, fmt: str = "PNG") -> str:
+    # Smooth gradients plus noise: realistic enough that resize filters matter.
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([(x * 255 // max(width - 1, 1)), (y * 255 // max(height - 1, 1)), ((x + y) * 127 // max(width + height, 1))], -1)
+    arr = np.clip(base + rng.integers(-40, 40, size=(height, width, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    mime = "image/jpeg" if fmt == "JPEG" else "image/png"
+    return f"data:{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _part(uri: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": uri}}
+
+
+IMG_RESIZE = _image_uri(300, 200, 1)  # downscale to multiples of 28
+IMG_IDENTITY = _image_uri(84, 56, 2)  # multiples of 28, within bounds: no resize
+IMG_LARGE = _image_uri(640, 480, 3, "JPEG")  # above max_pixels: downscale
+IMG_TINY = _image_uri(30, 20, 4)  # below min_pixels: upscale
+IMG_ONE_AXIS = _image_uri(112, 90, 5)  # width already a multiple of 28, height not
+
+CHATS = [
+    [{"role": "user", "content": [_part(IMG_RESIZE), {"type": "text", "text": "What is in this image?"}]}],
+    [{"role": "user", "content": [
+        {"type": "text", "text": "Compare the first"}, _part(IMG_IDENTITY),
+        {"type": "text", "text": "with the second"}, _part(IMG_LARGE), {"type": "text", "text": "briefly."}]}],
+    [{"role": "system", "content": "Describe images."}, {"role": "user", "content": [_part(IMG_TINY)]}],
+    [
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, _part(IMG_ONE_AXIS)]},
+        {"role": "assistant", "content": "A picture."},
+        {"role": "user", "content": "Say more."},
+    ],
+]
+GREEDY = {"temperature": 0.0, "max_tokens": 16}
+
+
+def _ours(app, messages, **sampling):
+    client = app.openai(timeout=180)
+    return client.chat.completions.create(
+        model=TINY_MODEL_NAME, messages=messages, extra_body={"return_token_ids": True}, **sampling
+    )
+
+
+def _assert_same(app, refs, cases):
+    for case, ref in zip(cases, refs):
+        sampling = dict(case["sampling"])
+        r = _ours(app, case["messages"], **sampling)
+        assert r.model_extra["prompt_token_ids"] == ref.prompt_token_ids
+        got = sorted((c.model_extra["token_ids"], c.message.content, c.finish_reason) for c in r.choices)
+        want = sorted((o.token_ids, o.text, o.finish_reason) for o in ref.outputs)
+        assert got == want
+
+
+def test_device_normalize_images_equal_vllm_offline(vllm_app):
+    cases = [{"messages": chat, "sampling": GREEDY} for chat in CHATS]
+    cases.append({"messages": CHATS[0], "sampling": {"temperature": 0.8, "seed": 11, "n": 2, "max_tokens": 12}})
+    refs = run_offline_reference(vllm_app.model_dir, cases)
+    # The tiny model must actually look at the pixels: different images, different answers.
+    assert refs[0].outputs[0].token_ids != refs[2].outputs[0].token_ids
+    _assert_same(vllm_app.app, refs, cases)
+
+
+@pytest.fixture(scope="module")
+def host_normalize_app(serve_instance, tiny_qwen2_vl_dir):
+    from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
+
+    port = free_tcp_port()
+    engine = HeadlessVllmEngine(tiny_qwen2_vl_dir, port, max_model_len=1024, extra_args=["--no-mm-device-do-normalize"]).start()
+    try:
+        app = deploy_app(
+            serve_instance, "vllm-host-norm",
+            {"model": str(tiny_qwen2_vl_dir), "served_model_name": TINY_MODEL_NAME,
+             "engines": [f"tcp://127.0.0.1:{port}"], "images": {"pixel_mode": "host_normalize"},
+             "health_check_timeout_s": 20},
+            ready_timeout_s=600,
+        )
+        yield app
+    finally:
+        engine.stop()
+        from ray import serve
+
+        serve.delete("vllm-host-norm", _blocking=False)
+
+
+def test_host_normalize_images_equal_vllm_offline(host_normalize_app, tiny_qwen2_vl_dir):
+    cases = [{"messages": chat, "sampling": GREEDY} for chat in CHATS[:3]]
+    refs = run_offline_reference(tiny_qwen2_vl_dir, cases, extra_engine_args={"mm_device_do_normalize": False})
+    _assert_same(host_normalize_app, refs, cases)
