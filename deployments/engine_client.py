@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from ray import serve
 
 from mmserve.builtin_engine.launcher import BuiltinEngineProcess
 from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineState, PromptAccepted, admit
+from mmserve.engine.memory import FrameTrace
 from mmserve.multimodal import ProcessedImages
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest
 from serve_app.config import AppConfig, EngineEndpoint
@@ -52,6 +54,7 @@ class EngineClientServer:
                 handshake_timeout_s=config.handshake_timeout_s,
                 health_check_interval_s=config.health_check_interval_s,
                 health_check_timeout_s=config.health_check_timeout_s,
+                trace_frames=config.trace_wire_frames,
             )
         )
         self.builtin: BuiltinEngineProcess | None = None
@@ -148,6 +151,12 @@ class EngineClientDeployment:
 
     def check_health(self) -> None:
         self.server.check_health()
+
+    def frame_traces(self) -> list[FrameTrace]:
+        return list(self.server.client.frame_traces)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     async def __del__(self) -> None:
         await self.server.shutdown()

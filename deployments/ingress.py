@@ -7,6 +7,7 @@ straight from bytes, and every failure leaves as OpenAI's error JSON.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -107,6 +108,9 @@ class Ingress:
     @api.get("/v1/models")
     async def models(self) -> Any:
         return JSONResponse((await self.server.models()).model_dump(exclude_none=True))
+
+    def pid(self) -> int:
+        return os.getpid()
 
     @api.get("/health")
     async def health(self) -> Any:

@@ -127,6 +127,8 @@ class AppConfig(BaseModel):
     # How long a request waits for a starting engine before it gets a 503.
     engine_wait_timeout_s: float = 30.0
     ingress_replicas: int = 1
+    # Diagnostics: engine clients remember where their last N zero-copy frames lived.
+    trace_wire_frames: int = 0
     # Allowlist of origins for browsers; empty = no CORS headers.
     cors_allow_origins: list[str] = []
 

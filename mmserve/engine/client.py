@@ -17,6 +17,7 @@ import enum
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ..wire import EngineCoreOutput, EngineCoreRequest, EngineDeadMessage, OutputDecoder, ReadyResponse, RequestEncoder, SchedulerStats
 from .errors import EngineDeadError, EngineError, EngineNotReadyError
 from .guard import InvalidRequestError, admit
+from .memory import FrameTrace
 from .transport import EngineAddresses, EngineTransport
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ class EngineClientConfig:
     # A utility call unanswered this long marks the engine hung. The engine answers between
     # model steps, so this must exceed the longest step (a long prefill on a big model).
     health_check_timeout_s: float = 10.0
+    # Keep the memory locations of the last N zero-copy frames sent (0 = off; diagnostics).
+    trace_frames: int = 0
 
 
 class _RequestStream:
@@ -79,6 +83,7 @@ class EngineClient:
         self._ready_event = asyncio.Event()
         self._start_error: BaseException | None = None
         self.handshake_address: str | None = None
+        self.frame_traces: deque[FrameTrace] = deque(maxlen=max(config.trace_frames, 1))
         self.input_address: str | None = None
         self.output_address: str | None = None
 
@@ -88,6 +93,8 @@ class EngineClient:
         """Bind the sockets now, so an engine can connect before `start()` runs."""
         if self._transport is None:
             self._transport = EngineTransport(self.config.addresses)
+            if self.config.trace_frames:
+                self._transport.frame_observer = self._trace_frame
             self.handshake_address = self._transport.handshake_address
             self.input_address = self._transport.input_address
             self.output_address = self._transport.output_address
@@ -138,6 +145,9 @@ class EngineClient:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._transport is not None:
             self._transport.close()
+
+    def _trace_frame(self, array, frame: zmq.Frame) -> None:
+        self.frame_traces.append(FrameTrace.of(array, frame))
 
     @property
     def num_in_flight(self) -> int:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -21,6 +23,10 @@ from ..wire.codec import Frame, decode_ready_response, decode_status, encode_han
 from .errors import EngineNotReadyError, EngineVersionError
 
 logger = logging.getLogger(__name__)
+
+# Below this, copying into a ZMQ message is cheaper than tracking a borrowed buffer
+# (pyzmq's own copy threshold).
+ZERO_COPY_MIN_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,8 @@ class EngineTransport:
         self.input_address = _bind(self._inputs, addresses.inputs, host)
         self.output_address = _bind(self._outputs, addresses.outputs, host)
         self.engine_identity: bytes | None = None
+        # Called with (array, zmq frame) for every zero-copy frame sent (tests, diagnostics).
+        self.frame_observer: Callable[[np.ndarray, zmq.Frame], None] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
 
     async def handshake(self, timeout_s: float) -> ReadyResponse:
@@ -128,9 +136,18 @@ class EngineTransport:
 
     async def send(self, frames: list[Frame]) -> None:
         assert self.engine_identity is not None, "send before handshake"
-        # copy=False: large tensors go to libzmq by reference (pyzmq keeps each array alive
-        # until libzmq releases it); pyzmq still copies frames under 64 KiB, which is cheaper.
-        await self._inputs.send_multipart([self.engine_identity, *frames], copy=False)
+        parts: list[bytes | memoryview | zmq.Frame] = [self.engine_identity]
+        for frame in frames:
+            if isinstance(frame, np.ndarray) and frame.nbytes >= ZERO_COPY_MIN_BYTES:
+                # By reference: the frame points at the array's memory (for images, the Ray
+                # object store) and holds the array alive until libzmq has sent it.
+                zframe = zmq.Frame(frame, copy=False)
+                if self.frame_observer is not None:
+                    self.frame_observer(frame, zframe)
+                parts.append(zframe)
+            else:
+                parts.append(frame)
+        await self._inputs.send_multipart(parts, copy=False)
 
     async def recv_output(self) -> list[bytes]:
         return await self._outputs.recv_multipart()
