@@ -18,7 +18,7 @@ import msgspec
 from ray import serve
 
 from mmserve.builtin_engine.launcher import BuiltinEngineProcess
-from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineState, PromptAccepted, admit
+from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineOverloadedError, EngineState, PromptAccepted, admit
 from mmserve.engine.memory import FrameTrace
 from mmserve.multimodal import ProcessedImages
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest
@@ -41,6 +41,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
     num_in_flight: int = 0
     # The built-in engine's process id (None for external engines).
     builtin_pid: int | None = None
+    bytes_sent: int = 0
+    # ADD messages sent to the engine since this replica started.
+    requests_sent: int = 0
 
 
 class EngineClientServer:
@@ -83,9 +86,12 @@ class EngineClientServer:
         """Stream the request's outputs. With images (resolved by Ray from the preprocessor's
         response, zero-copy), expand their placeholders first and announce the final prompt."""
         ready = await self.client.wait_ready(self.config.engine_wait_timeout_s)
+        limit = self.config.limits.max_in_flight_per_engine
+        if self.client.num_in_flight >= limit:
+            raise EngineOverloadedError(f"the engine has {limit} requests in flight; retry shortly")
         if images is not None:
             request = admit(request, ready.max_model_len, images)
-            yield PromptAccepted(request.prompt_token_ids or [])
+            yield PromptAccepted(request.prompt_token_ids or [], len(images.images), images.preprocess_ms)
         async for batch in self.client.generate(request):
             yield batch
 
@@ -102,6 +108,8 @@ class EngineClientServer:
             max_num_seqs=ready.max_num_seqs if ready else None,
             num_in_flight=self.client.num_in_flight,
             builtin_pid=self.builtin.pid if self.builtin else None,
+            bytes_sent=self.client.bytes_sent,
+            requests_sent=self.client.requests_sent,
         )
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
@@ -113,9 +121,16 @@ class EngineClientServer:
             raise RuntimeError(f"engine is {self.client.state.value}: {self.client.death_reason}")
 
     async def shutdown(self) -> None:
+        dead = self.client.state is EngineState.DEAD
         await self.client.close()
         if self.builtin is not None:
-            self.builtin.stop()
+            if dead and self.builtin.is_alive():
+                # Dead or hung (a SIGSTOPped process would sit on a SIGTERM forever): no
+                # graceful stop to wait for.
+                self.builtin.process.kill()
+                self.builtin.process.wait()
+            else:
+                self.builtin.stop()
 
 
 def _log_start_failure(task: asyncio.Task[Any]) -> None:

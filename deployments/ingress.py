@@ -6,13 +6,14 @@ straight from bytes, and every failure leaves as OpenAI's error JSON.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
@@ -20,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
 from serve_app.errors import OpenAIError, bad_request
+from serve_app.observability import Metrics, RequestRecord
 from serve_app.openai_serving import OpenAIServer
 from serve_app.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -72,8 +74,22 @@ class Ingress:
         self.router = EngineHandleRouter(
             engines, preprocessor=preprocessor, wait_timeout_s=self.config.engine_wait_timeout_s
         )
-        self.server = OpenAIServer(self.config, self.router)
-        logger.info("mmserve ingress serving %s from %s", self.server.model_name, self.config.model_dir)
+        self.metrics = Metrics()
+        self.server = OpenAIServer(self.config, self.router, self.metrics)
+        key = self.config.api_key or os.environ.get("MMSERVE_API_KEY") or None
+        self._api_key = key.encode() if key else None
+        logger.info(
+            "mmserve ingress serving %s from %s (API key %s)",
+            self.server.model_name, self.config.model_dir, "required" if self._api_key else "not required",
+        )
+
+    def _authorize(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # Constant-time comparison: the time taken must not reveal how much of a guess matched.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key):
+            raise OpenAIError("Invalid or missing API key (send `Authorization: Bearer <key>`)", status=401, code="invalid_api_key")
 
     async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
         limit = self.config.limits.max_request_bytes
@@ -91,23 +107,71 @@ class Ingress:
             message, param = _validation_message(exc)
             raise bad_request(message, param) from None
 
-    @staticmethod
-    def _respond(result: Any) -> Any:
+    async def _serve(self, request: Request, endpoint: str, model: type[BaseModel], call) -> Any:
+        """Authorize, parse, run; record the outcome for metrics and the request's log line."""
+        record = RequestRecord(endpoint)
+        self.metrics.in_flight.inc()
+        try:
+            self._authorize(request)
+            body = await self._parse(request, model)
+            record.stream = bool(getattr(body, "stream", False))
+            result = await call(body, record)
+        except OpenAIError as exc:
+            record.status, record.error = exc.status, exc.message
+            self._finish(record)
+            return _error_response(exc)
+        except Exception as exc:
+            logger.exception("unexpected error while serving a request")
+            record.status, record.error = 500, type(exc).__name__
+            self._finish(record)
+            return _error_response(OpenAIError(f"internal error: {type(exc).__name__}", status=500))
         if isinstance(result, AsyncIterator):
-            return StreamingResponse(result, media_type="text/event-stream")
+            return StreamingResponse(self._recorded_stream(result, record), media_type="text/event-stream")
+        self._finish(record)
         return JSONResponse(result.model_dump(exclude_none=True))
+
+    async def _recorded_stream(self, chunks: AsyncIterator[str], record: RequestRecord) -> AsyncIterator[str]:
+        completed = False
+        try:
+            async for chunk in chunks:
+                if chunk.startswith('data: {"error"'):
+                    record.error = "error event in stream"
+                yield chunk
+            completed = True
+        finally:
+            if not completed and record.error is None:
+                record.error = "client disconnected"
+            self._finish(record)
+
+    def _finish(self, record: RequestRecord) -> None:
+        self.metrics.in_flight.dec()
+        self.metrics.observe_finished(record)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Any:
-        return self._respond(await self.server.chat(await self._parse(request, ChatCompletionRequest)))
+        return await self._serve(request, "chat", ChatCompletionRequest, self.server.chat)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
-        return self._respond(await self.server.completion(await self._parse(request, CompletionRequest)))
+        return await self._serve(request, "completions", CompletionRequest, self.server.completion)
 
     @api.get("/v1/models")
-    async def models(self) -> Any:
+    async def models(self, request: Request) -> Any:
+        try:
+            self._authorize(request)
+        except OpenAIError as exc:
+            return _error_response(exc)
         return JSONResponse((await self.server.models()).model_dump(exclude_none=True))
+
+    @api.get("/metrics")
+    async def prometheus_metrics(self) -> Response:
+        for index, info in enumerate(await self.router.infos()):
+            engine = str(index)
+            self.metrics.engine_up.labels(engine).set(1 if info is not None and info.state == "ready" else 0)
+            if info is not None:
+                self.metrics.engine_in_flight.labels(engine).set(info.num_in_flight)
+                self.metrics.engine_bytes.labels(engine).set(info.bytes_sent)
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def pid(self) -> int:
         return os.getpid()

@@ -60,6 +60,7 @@ def preprocessor_options(config: AppConfig) -> dict[str, Any]:
     return {
         "ray_actor_options": {"num_cpus": p.num_cpus},
         "max_ongoing_requests": p.max_ongoing_requests,
+        "max_queued_requests": p.max_queued_requests,
         "autoscaling_config": {
             "min_replicas": p.min_replicas,
             "max_replicas": p.max_replicas,

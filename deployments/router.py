@@ -12,9 +12,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from mmserve.engine import EngineDeadError, EngineNotReadyError, InvalidRequestError, PromptAccepted
+from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError, PromptAccepted
 from mmserve.multimodal import ImageBatchRequest
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest
 from serve_app.openai_serving import EngineLimits
@@ -107,10 +108,15 @@ class EngineHandleRouter:
         except (EngineDeadError, EngineNotReadyError):
             self._refreshed_at = 0.0  # look again before routing the next request
             raise
+        except BackPressureError:
+            raise EngineOverloadedError("the gateway is at capacity; retry shortly", status=503) from None
         except Exception as exc:
             # Errors raised by a deployment this call depended on (the preprocessor) arrive
             # wrapped once per hop; hand the caller the original, typed error.
-            raise _unwrap(exc) from None
+            inner = _unwrap(exc)
+            if isinstance(inner, BackPressureError):
+                raise EngineOverloadedError("the image preprocessing queue is full; retry shortly", status=503) from None
+            raise inner from None
         finally:
             self._in_flight[index] -= 1
             if not finished:

@@ -31,4 +31,6 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     preprocessor = None
     if load_image_family(config.model_dir) is not None:
         preprocessor = PreprocessorDeployment.options(**preprocessor_options(config)).bind(config_dict)
-    return Ingress.options(num_replicas=config.ingress_replicas).bind(config_dict, engines, preprocessor)
+    return Ingress.options(
+        num_replicas=config.ingress_replicas, max_queued_requests=config.limits.ingress_max_queued_requests
+    ).bind(config_dict, engines, preprocessor)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 BUILTIN = "builtin"
 BUILTIN_MODEL_DIR = Path(__file__).resolve().parent.parent / "mmserve" / "builtin_engine" / "model"
@@ -31,6 +31,9 @@ class EngineEndpoint(BaseModel):
     handshake: str
     inputs: str | None = None
     outputs: str | None = None
+    # The gateway binds these sockets; binding every interface (tcp://*:PORT, 0.0.0.0, ::)
+    # exposes an unauthenticated engine protocol to the network, so it must be asked for.
+    allow_all_interfaces: bool = False
 
     @field_validator("handshake", "inputs", "outputs")
     @classmethod
@@ -38,6 +41,22 @@ class EngineEndpoint(BaseModel):
         if value is not None and not value.startswith("tcp://"):
             raise ValueError(f"engine addresses are tcp://HOST:PORT, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _no_wildcard_bind(self) -> "EngineEndpoint":
+        if not self.allow_all_interfaces:
+            for address in (self.handshake, self.inputs, self.outputs):
+                if address is not None and binds_all_interfaces(address):
+                    raise ValueError(
+                        f"{address} binds every network interface; name one address, "
+                        "or set allow_all_interfaces: true if that is really wanted"
+                    )
+        return self
+
+
+def binds_all_interfaces(address: str) -> bool:
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return host in ("*", "0.0.0.0", "::", "")
 
 
 class BuiltinEngineConfig(BaseModel):
@@ -64,6 +83,10 @@ class LimitsConfig(BaseModel):
     # None: the engine's max_model_len from its handshake.
     max_prompt_tokens: int | None = None
     max_messages: int = 1024
+    # Engine requests in flight per engine (children of n > 1 count one each); beyond: 429.
+    max_in_flight_per_engine: int = 1024
+    # HTTP requests waiting for an ingress replica; beyond: 503 from the Serve proxy.
+    ingress_max_queued_requests: int = 512
 
 
 class ImagesConfig(BaseModel):
@@ -101,6 +124,8 @@ class PreprocessorDeploymentConfig(BaseModel):
     downscale_delay_s: float = 10.0
     look_back_period_s: float = 2.0
     max_ongoing_requests: int = 8
+    # Requests waiting for a preprocessor replica; beyond: 503 with Retry-After.
+    max_queued_requests: int = 64
 
 
 class AppConfig(BaseModel):
@@ -127,6 +152,9 @@ class AppConfig(BaseModel):
     # How long a request waits for a starting engine before it gets a 503.
     engine_wait_timeout_s: float = 30.0
     ingress_replicas: int = 1
+    # Clients must send `Authorization: Bearer <api_key>` on /v1 routes. Also read from the
+    # MMSERVE_API_KEY environment variable of the ingress replicas. None: no authentication.
+    api_key: str | None = None
     # Diagnostics: engine clients remember where their last N zero-copy frames lived.
     trace_wire_frames: int = 0
     # Allowlist of origins for browsers; empty = no CORS headers.

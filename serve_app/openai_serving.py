@@ -21,7 +21,7 @@ from typing import Protocol
 
 from jinja2 import TemplateError
 
-from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, InvalidRequestError, PromptAccepted
+from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError, PromptAccepted
 from mmserve.multimodal import ImageBatchRequest, PixelMode, load_image_family
 from mmserve.multimodal.errors import ImageInputError
 from mmserve.text import (
@@ -40,6 +40,7 @@ from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, Samp
 from . import validation
 from .config import AppConfig
 from .errors import OpenAIError, bad_request
+from .observability import Metrics, RequestRecord
 from .schemas import (
     ChatMessage,
     ChatCompletionChoice,
@@ -121,12 +122,15 @@ class PreparedRequest:
     min_tokens: int
     # Opaque preprocessing response (never resolved in the ingress), or None for text only.
     images: object | None = None
+    # Timings and counts for metrics and the request's log line.
+    record: RequestRecord = field(default_factory=lambda: RequestRecord("unknown"))
 
 
 class OpenAIServer:
-    def __init__(self, config: AppConfig, router: EngineRouter) -> None:
+    def __init__(self, config: AppConfig, router: EngineRouter, metrics: Metrics | None = None) -> None:
         self.config = config
         self.router = router
+        self.metrics = metrics
         self.model_files = ModelFiles.load(config.model_dir)
         self.tokenizer = Tokenizer.from_model_files(self.model_files)
         self.image_family = load_image_family(config.model_dir)
@@ -144,7 +148,9 @@ class OpenAIServer:
             max_len, engine = None, None
         return ModelList(data=[ModelCard(id=self.model_name, root=str(self.config.model_dir), max_model_len=max_len, engine=engine)])
 
-    async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+    async def chat(
+        self, request: ChatCompletionRequest, record: RequestRecord | None = None
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
         self._check_model(request.model)
         validation.check_chat_request(request)
         try:
@@ -164,6 +170,7 @@ class OpenAIServer:
         prepared = await self._prepare(
             request, prompt_ids, max_tokens, "chatcmpl", self._structured_outputs(request), num_images=len(image_urls)
         )
+        self._attach(prepared, record, num_images=len(image_urls))
         if image_urls:
             limits = await self.router.limits()
             prepared.images = self.router.preprocess(
@@ -208,7 +215,9 @@ class OpenAIServer:
 
         return chained()
 
-    async def completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+    async def completion(
+        self, request: CompletionRequest, record: RequestRecord | None = None
+    ) -> CompletionResponse | AsyncIterator[str]:
         self._check_model(request.model)
         validation.check_completion_request(request)
         prompt = request.prompt
@@ -224,11 +233,20 @@ class OpenAIServer:
         if not prompt_ids:
             raise bad_request("the prompt is empty", "prompt")
         prepared = await self._prepare(request, prompt_ids, request.max_tokens, "cmpl", None)
+        self._attach(prepared, record)
         if request.stream:
             return await self._started(self._completion_stream(request, prepared))
         return await self._completion_full(request, prepared)
 
     # ------------------------------------------------------------------ preparation
+
+    @staticmethod
+    def _attach(prepared: PreparedRequest, record: RequestRecord | None, num_images: int = 0) -> None:
+        if record is not None:
+            prepared.record = record
+        prepared.record.request_id = prepared.request_id
+        prepared.record.prompt_tokens = len(prepared.prompt_token_ids)
+        prepared.record.num_images = num_images
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -377,6 +395,8 @@ class OpenAIServer:
                 if isinstance(batch, PromptAccepted):
                     # Image placeholders expanded by the engine client: the prompt as the engine has it.
                     prepared.prompt_token_ids = batch.prompt_token_ids
+                    prepared.record.prompt_tokens = len(batch.prompt_token_ids)
+                    prepared.record.preprocess_ms = batch.preprocess_ms
                     continue
                 if seq is None:
                     seq = self._sequence_text(prepared)
@@ -397,6 +417,8 @@ class OpenAIServer:
                     if finish_reason is not None:
                         return
             raise OpenAIError("the engine stream ended without finishing the request", status=500)
+        except EngineOverloadedError as exc:
+            raise OpenAIError(str(exc), status=exc.status, retry_after_s=exc.retry_after_s) from None
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param) from None
         except ImageInputError as exc:
@@ -424,6 +446,22 @@ class OpenAIServer:
         )
 
     async def _merged_deltas(self, prepared: PreparedRequest) -> AsyncIterator[ChoiceDelta]:
+        """All choices' deltas, interleaved as they arrive, with their timings recorded."""
+        record = prepared.record
+        async for delta in self._interleaved_deltas(prepared):
+            now = time.monotonic()
+            if delta.token_ids:
+                if record.first_token_at is None:
+                    record.first_token_at = now
+                elif self.metrics is not None and record.last_token_at is not None:
+                    self.metrics.observe_token_gap(now - record.last_token_at)
+                record.last_token_at = now
+                record.completion_tokens += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                record.finish_reasons.append(delta.finish_reason)
+            yield delta
+
+    async def _interleaved_deltas(self, prepared: PreparedRequest) -> AsyncIterator[ChoiceDelta]:
         """All choices' deltas, interleaved as they arrive (n > 1 runs concurrently)."""
         if prepared.n == 1:
             async for delta in self._choice_deltas(prepared, 0):

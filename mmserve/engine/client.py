@@ -83,9 +83,13 @@ class EngineClient:
         self._ready_event = asyncio.Event()
         self._start_error: BaseException | None = None
         self.handshake_address: str | None = None
+        self.bytes_sent = 0
         self.frame_traces: deque[FrameTrace] = deque(maxlen=max(config.trace_frames, 1))
         self.input_address: str | None = None
         self.output_address: str | None = None
+        # ADDs sent to the engine since start (observability: cancellation tests, metrics).
+        self.requests_sent = 0
+        self._release_task: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -111,6 +115,10 @@ class EngineClient:
             self.death_reason = str(exc)
             self._ready_event.set()
             raise
+        # The handshake port is not needed any more: release it, so that an engine restarted
+        # on it (after this one dies) waits for our replacement instead of saying HELLO to a
+        # socket nobody reads (a DEALER does not resend it on reconnect).
+        self._transport.close_handshake()
         # Watch for disconnects before anything else can go wrong.
         monitor = self._transport.watch_disconnects()
         self._tasks = [
@@ -143,6 +151,8 @@ class EngineClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._release_task is not None:
+            await asyncio.gather(self._release_task, return_exceptions=True)
         if self._transport is not None:
             self._transport.close()
 
@@ -171,6 +181,7 @@ class EngineClient:
         self._streams[request_id] = stream
         try:
             await self._send(self._encoder.encode_add(request))
+            self.requests_sent += 1
             while True:
                 item = await stream.queue.get()
                 batch: list[EngineCoreOutput] = []
@@ -217,6 +228,7 @@ class EngineClient:
 
     async def _send(self, frames: list) -> None:
         assert self._transport is not None
+        self.bytes_sent += sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes for f in frames)
         try:
             await self._transport.send(frames)
         except zmq.ZMQError as exc:
@@ -295,6 +307,20 @@ class EngineClient:
         self.state = EngineState.DEAD
         self.death_reason = reason
         self._fail_everything(EngineDeadError(reason))
+        # Release the sockets at once: a replacement (on the same fixed addresses) can bind
+        # them without waiting for this process to go away, and a hung engine that wakes up
+        # finds nobody to talk to instead of a front-end that gave up on it.
+        self._release_task = asyncio.get_running_loop().create_task(self._release_sockets(), name="engine-release")
+
+    async def _release_sockets(self) -> None:
+        current = asyncio.current_task()
+        tasks = [t for t in self._tasks if t is not current and not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._transport is not None:
+            self._transport.close()
+        logger.info("engine sockets released (%s)", self.death_reason)
 
     def _fail_everything(self, error: EngineError) -> None:
         for stream in self._streams.values():

@@ -19,3 +19,12 @@ class EngineVersionError(EngineError):
 
 class EngineRequestError(EngineError):
     """The engine finished a request with an error (FinishReason.ERROR)."""
+
+
+class EngineOverloadedError(EngineError):
+    """Too much work queued: the client should retry later (429 or 503 with Retry-After)."""
+
+    def __init__(self, message: str, *, status: int = 429, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s

@@ -20,6 +20,9 @@ class PromptAccepted(msgspec.Struct, frozen=True):
     (placeholders expanded), which the ingress needs for usage and detokenization."""
 
     prompt_token_ids: list[int]
+    num_images: int = 0
+    # Time the preprocessing tier spent on this request's images.
+    preprocess_ms: float = 0.0
 
 
 class InvalidRequestError(EngineError, ValueError):

@@ -84,6 +84,7 @@ class EngineTransport:
         # Called with (array, zmq frame) for every zero-copy frame sent (tests, diagnostics).
         self.frame_observer: Callable[[np.ndarray, zmq.Frame], None] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
+        self.closed = False
 
     async def handshake(self, timeout_s: float) -> ReadyResponse:
         """Answer the engine's HELLO, then wait for its ready response and READY.
@@ -152,9 +153,19 @@ class EngineTransport:
     async def recv_output(self) -> list[bytes]:
         return await self._outputs.recv_multipart()
 
+    def close_handshake(self) -> None:
+        """Unbind the handshake port (the handshake cannot be redone on this connection)."""
+        if not self._handshake.closed:
+            self._handshake.close(linger=0)
+
     def close(self) -> None:
+        """Close every socket, unbinding all three addresses. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         if self._monitor is not None:
             self._inputs.disable_monitor()
             self._monitor.close(linger=0)
         for sock in (self._handshake, self._inputs, self._outputs):
-            sock.close(linger=0)
+            if not sock.closed:
+                sock.close(linger=0)
