@@ -225,14 +225,21 @@ class CpuMeter:
                 pass
         return snap
 
+    @staticmethod
+    def _machine_busy() -> float:
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
     def __enter__(self) -> CpuMeter:
         self._start = self._snapshot()
+        self._busy0 = self._machine_busy()
         self._t0 = time.time()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         end = self._snapshot()
         self.wall = time.time() - self._t0
+        self.machine_busy = self._machine_busy() - self._busy0
         self.by_kind: dict[str, float] = {}
         for pid, (kind, cpu) in end.items():
             before = self._start.get(pid, (kind, 0.0))[1]
@@ -244,7 +251,8 @@ class CpuMeter:
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v / self.wall:.2f}" for k, v in sorted(self.by_kind.items(), key=lambda kv: -kv[1]) if v / self.wall >= 0.005)
-        return f"{self.total / self.wall:.2f} cores ({parts})"
+        others = max(0.0, self.machine_busy - self.total) / self.wall
+        return f"**{self.total / self.wall:.2f}** cores ({parts}); other jobs on the machine: {others:.2f}"
 
 
 # ----------------------------------------------------------------------------- Ray / Serve
@@ -387,6 +395,7 @@ class E2EResult:
     chunk_gaps: list[float]
     tokens: int
     prompt_tokens: set[int]
+    latency: list[float]
     cpu: CpuMeter
 
     @property
@@ -407,7 +416,8 @@ def e2e(setup: str, url: str, concurrency: int, total: int, max_tokens: int, vll
     return E2EResult(
         setup, concurrency, len(streams), elapsed,
         [s.ttft for s in streams], [tp for s in streams if (tp := s.tpot) is not None], gaps,
-        sum(s.completion_tokens or 0 for s in streams), {s.prompt_tokens for s in streams if s.prompt_tokens}, cpu,
+        sum(s.completion_tokens or 0 for s in streams), {s.prompt_tokens for s in streams if s.prompt_tokens},
+        [s.chunk_times[-1] - s.t_send for s in streams], cpu,
     )
 
 
@@ -441,8 +451,8 @@ def e2e_table(results: list[E2EResult]) -> str:
     by = {(r.setup, r.concurrency): r for r in results}
     concs = sorted({r.concurrency for r in results})
     rows = [
-        "| concurrency | setup | TTFT ms p50 / p90 / p99 | time per output token ms p50 / p90 / p99 | chunk gap ms p50 / p99 | requests/s | tokens/s | CPU cores used (of 2) |",
-        "|---:|---|---:|---:|---:|---:|---:|---|",
+        "| concurrency | setup | request latency ms p50 / p90 / p99 | TTFT ms p50 / p90 / p99 | time per output token ms p50 / p90 / p99 | chunk gap ms p50 / p99 | requests/s | tokens/s | CPU cores used (of 2) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     setups = list(dict.fromkeys(r.setup for r in results))
     for c in concs:
@@ -451,7 +461,7 @@ def e2e_table(results: list[E2EResult]) -> str:
             if r is None:
                 continue
             rows.append(
-                f"| {c} | {setup} | {fmt3(r.ttft)} | {fmt3(r.tpot)} | {pct(r.chunk_gaps, .5) * 1e3:.2f} / {pct(r.chunk_gaps, .99) * 1e3:.2f} "
+                f"| {c} | {setup} | {fmt3(r.latency)} | {fmt3(r.ttft)} | {fmt3(r.tpot)} | {pct(r.chunk_gaps, .5) * 1e3:.2f} / {pct(r.chunk_gaps, .99) * 1e3:.2f} "
                 f"| {r.rps:.2f} | {r.tps:.0f} | {r.cpu.describe()} |"
             )
         a = by.get((VLLM_SERVER, c))
@@ -460,7 +470,7 @@ def e2e_table(results: list[E2EResult]) -> str:
             if a is None or b is None or b is a:
                 continue
             rows.append(
-                f"| {c} | *ratio {setup} / vLLM server* | {pct(b.ttft, .5) / pct(a.ttft, .5):.2f}× (p50) | {pct(b.tpot, .5) / pct(a.tpot, .5):.2f}× (p50) "
+                f"| {c} | *ratio {setup} / vLLM server* | {pct(b.latency, .5) / pct(a.latency, .5):.2f}× (p50) | {pct(b.ttft, .5) / pct(a.ttft, .5):.2f}× (p50) | {pct(b.tpot, .5) / pct(a.tpot, .5):.2f}× (p50) "
                 f"| | {b.rps / a.rps:.2f}× | {b.tps / a.tps:.2f}× | {(b.cpu.total / b.tokens) / (a.cpu.total / a.tokens):.2f}× CPU s per token |"
             )
     return "\n".join(rows)
@@ -509,7 +519,7 @@ def main() -> None:
     parser.add_argument("--variant", action="append", choices=list(SERVE_VARIANTS), help="only these Serve variants")
     parser.add_argument("--model-dir", help="an existing tiny Qwen2-VL dir (default: build one in a temp dir)")
     args = parser.parse_args()
-    command = "python bench/gateway_bench.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = " ".join(["python bench/gateway_bench.py", *(shlex.quote(a) for a in sys.argv[1:])])
     q = args.quick
     builtin_tokens = 64 if q else 128
     builtin_counts = {1: 10 if q else 40, 32: 64 if q else 256}

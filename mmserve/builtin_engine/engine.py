@@ -10,6 +10,10 @@ runs end to end on a laptop without a GPU or vLLM:
   UTILITY answers `is_sleeping`, `has_work`, `get_supported_tasks`, ... .
 - every `step_interval_ms` while there is work, every running request gets one token; all of
   a step's tokens travel in one `EngineCoreOutputs` with scheduler stats.
+- per request it records wall times (`time.time()`) for benchmarks: the ADD's `arrival_time`
+  (stamped by the front-end), when the ADD was decoded here, and when each output frame was
+  sent; the `get_request_timings` utility returns them (a ring buffer of the last
+  `TIMINGS_MAX_REQUESTS` requests, the first `TIMINGS_MAX_FRAMES` frames of each).
 
 Token rule (deterministic): a PRNG keyed by the prompt token ids and multimodal identifiers
 (plus the seed when one is given; greedy requests ignore it; sampled requests without a seed
@@ -25,6 +29,7 @@ stop tokens are masked while fewer than `min_tokens` tokens were produced.
 
 from __future__ import annotations
 
+import array
 import collections
 import hashlib
 import json
@@ -71,6 +76,10 @@ VLLM_VERSION = "0.32.0"
 HANDSHAKE_TIMEOUT_S = 300.0  # vLLM's HANDSHAKE_TIMEOUT_MINS = 5
 MM_CACHE_ITEMS = 1024
 MAX_MESSAGES_PER_TICK = 1000
+# Request timings for benchmarks: bounded (≤ 10k × 512 × 2 doubles ≈ 80 MB in the worst case,
+# a few MB for ordinary requests).
+TIMINGS_MAX_REQUESTS = 10_000
+TIMINGS_MAX_FRAMES = 512
 
 
 @dataclass(frozen=True)
@@ -302,6 +311,33 @@ class _Outbox:
         self.by_client.setdefault(client_index, []).append(output)
 
 
+class _RequestTimings:
+    """Wall times (`time.time()`) of one request, for `get_request_timings`."""
+
+    __slots__ = ("request_id", "arrival_time", "received", "sent", "num_tokens")
+
+    def __init__(self, request_id: str, arrival_time: float, received: float) -> None:
+        self.request_id = request_id
+        self.arrival_time = arrival_time  # stamped by the front-end (EngineCoreRequest.arrival_time)
+        self.received = received  # the ADD decoded by this engine
+        self.sent = array.array("d")  # each output frame of this request, just before its send
+        self.num_tokens = array.array("i")  # new tokens in that frame
+
+    def record(self, when: float, num_tokens: int) -> None:
+        if len(self.sent) < TIMINGS_MAX_FRAMES:
+            self.sent.append(when)
+            self.num_tokens.append(num_tokens)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "arrival_time": self.arrival_time,
+            "received": self.received,
+            "sent": self.sent.tolist(),
+            "num_tokens": self.num_tokens.tolist(),
+        }
+
+
 # ----------------------------------------------------------------------------- the engine
 
 
@@ -322,6 +358,8 @@ class BuiltinEngine:
         self._mm_cache: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._stop = threading.Event()
         self.steps = 0
+        # Insertion-ordered; the oldest entries are dropped beyond TIMINGS_MAX_REQUESTS.
+        self._timings: collections.OrderedDict[str, _RequestTimings] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ control
 
@@ -507,6 +545,7 @@ class BuiltinEngine:
             "reset_prefix_cache": lambda *a, **k: True,
             "reset_mm_cache": lambda: self._mm_cache.clear(),
             "reset_encoder_cache": lambda: None,
+            "get_request_timings": self.get_request_timings,
         }
         if os.environ.get(TEST_HOOKS_ENV) == "1" and method == "mmserve_test_fatal":
             raise FatalEngineError("fatal error requested by the mmserve_test_fatal utility")
@@ -523,11 +562,30 @@ class BuiltinEngine:
 
     # ------------------------------------------------------------------ requests
 
+    def get_request_timings(self, request_ids: list[str] | None = None, clear: bool = False) -> list[dict[str, Any]]:
+        """Timings of the recorded requests (oldest first), or of `request_ids` only.
+
+        Each: request_id, arrival_time (front-end's stamp), received (ADD decoded here), sent
+        (wall time of each output frame, just before its send) and num_tokens (per frame).
+        `clear` forgets everything recorded so far.
+        """
+        if request_ids is None:
+            result = [t.as_dict() for t in self._timings.values()]
+        else:
+            result = [self._timings[r].as_dict() for r in request_ids if r in self._timings]
+        if clear:
+            self._timings.clear()
+        return result
+
     def _add(self, req: ReceivedRequest) -> None:
         rid = req.request_id
         if rid in self._running or rid in self._waiting:
             logger.error("duplicate request id %r ignored", rid)
             return
+        self._timings.pop(rid, None)
+        self._timings[rid] = _RequestTimings(rid, req.arrival_time, time.time())
+        while len(self._timings) > TIMINGS_MAX_REQUESTS:
+            self._timings.popitem(last=False)
 
         def fail(reason: str, **extra: Any) -> None:
             logger.error("request %s rejected: %s", rid, reason)
@@ -640,6 +698,12 @@ class BuiltinEngine:
 
     def _send(self, by_client: dict[int, list[EngineCoreOutput]], with_stats: bool = False) -> None:
         stats = self._stats() if with_stats else None
+        now = time.time()
+        timings = self._timings
+        for outputs in by_client.values():
+            for output in outputs:
+                if (t := timings.get(output.request_id)) is not None:
+                    t.record(now, len(output.new_token_ids))
         for client_index, outputs in by_client.items():
             self._send_outputs(
                 client_index,
