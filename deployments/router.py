@@ -18,6 +18,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError, PromptAccepted
 from mmserve.multimodal import ImageBatchRequest
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest
+from mmserve.wire.codec import decode_output_batch
 from serve_app.openai_serving import EngineLimits
 
 from .engine_client import EngineInfo
@@ -102,8 +103,8 @@ class EngineHandleRouter:
         response = self._handles[index].options(stream=True).generate.remote(request, images)
         finished = False
         try:
-            async for batch in response:
-                yield batch
+            async for item in response:
+                yield decode_output_batch(item) if isinstance(item, bytes) else item
             finished = True
         except (EngineDeadError, EngineNotReadyError):
             self._refreshed_at = 0.0  # look again before routing the next request
