@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray import serve
 from ray.serve import Application
 
 from .config import AppConfig
@@ -24,8 +23,11 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
 
     config = AppConfig.model_validate(args or {})
     config_dict = config.model_dump(mode="json")
+    actor_options = {"num_cpus": 0, "resources": dict(config.engine_client_resources)}
     engines = [
-        EngineClientDeployment.options(name=f"EngineClient{i}").bind(config_dict, endpoint.model_dump(mode="json"))
+        EngineClientDeployment.options(name=f"EngineClient{i}", ray_actor_options=actor_options).bind(
+            config_dict, endpoint.model_dump(mode="json")
+        )
         for i, endpoint in enumerate(config.engine_endpoints())
     ]
     preprocessor = None

@@ -152,6 +152,9 @@ class AppConfig(BaseModel):
     # How long a request waits for a starting engine before it gets a 503.
     engine_wait_timeout_s: float = 30.0
     ingress_replicas: int = 1
+    # Extra Ray resources for engine-client replicas, to pin them to the node whose address the
+    # engines connect to (e.g. {"mmserve_engine_host": 0.001} with that custom resource on one node).
+    engine_client_resources: dict[str, float] = {}
     # Clients must send `Authorization: Bearer <api_key>` on /v1 routes. Also read from the
     # MMSERVE_API_KEY environment variable of the ingress replicas. None: no authentication.
     api_key: str | None = None
@@ -170,7 +173,7 @@ class AppConfig(BaseModel):
             return [{"handshake": v.strip()} if isinstance(v, str) else v for v in value]
         return value
 
-    @field_validator("builtin_engine", "limits", "images", "preprocessor", "cors_allow_origins", mode="before")
+    @field_validator("builtin_engine", "limits", "images", "preprocessor", "cors_allow_origins", "engine_client_resources", mode="before")
     @classmethod
     def _parse_json(cls, value: Any) -> Any:
         return json.loads(value) if isinstance(value, str) else value
