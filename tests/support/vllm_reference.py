@@ -42,6 +42,9 @@ VLLM_CPU_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # One compute thread everywhere: a headless engine on this 2-core machine binds one, and
+    # bf16 results depend on the thread count (an offline run with 2 threads rounds differently).
+    "OMP_NUM_THREADS": "1",
 }
 
 
