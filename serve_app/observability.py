@@ -27,6 +27,8 @@ class RequestRecord:
     endpoint: str
     stream: bool = False
     started: float = field(default_factory=time.monotonic)
+    # Wall-clock arrival at the ingress: the engine request's `arrival_time`, as vLLM sets it.
+    arrival_time: float = field(default_factory=time.time)
     request_id: str | None = None
     status: int = 200
     prompt_tokens: int = 0

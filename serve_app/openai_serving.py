@@ -232,7 +232,7 @@ class OpenAIServer:
             validation.check_token_ids(prompt_ids, self.tokenizer.max_token_id, "prompt")
         if not prompt_ids:
             raise bad_request("the prompt is empty", "prompt")
-        prepared = await self._prepare(request, prompt_ids, request.max_tokens, "cmpl", None)
+        prepared = await self._prepare(request, prompt_ids, request.max_tokens, "cmpl", self._structured_outputs(request))
         self._attach(prepared, record)
         if request.stream:
             return await self._started(self._completion_stream(request, prepared))
@@ -255,18 +255,9 @@ class OpenAIServer:
                 status=400, param="model", code="model_not_found",
             )
 
-    def _structured_outputs(self, request: ChatCompletionRequest) -> StructuredOutputsParams | None:
-        fmt = request.response_format
-        if not fmt or fmt.get("type") in (None, "text"):
-            return None
-        if fmt.get("type") == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if fmt.get("type") == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema")
-            if not isinstance(schema, dict):
-                raise bad_request("response_format.json_schema.schema must be a JSON object", "response_format")
-            return StructuredOutputsParams(json=schema)
-        raise bad_request(f"unsupported response_format type {fmt.get('type')!r}", "response_format")
+    def _structured_outputs(self, request: SamplingRequestFields) -> StructuredOutputsParams | None:
+        """`structured_outputs` and `response_format`, checked as vLLM's front-end would."""
+        return validation.structured_outputs(request)
 
     async def _prepare(
         self,
@@ -345,6 +336,12 @@ class OpenAIServer:
             include_stop_str_in_output=request.include_stop_str_in_output,
             structured_outputs=structured,
             logit_bias={int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None,
+            allowed_token_ids=list(request.allowed_token_ids) if request.allowed_token_ids else None,
+            bad_words=list(dict.fromkeys(request.bad_words)) if request.bad_words else None,
+            _bad_words_token_ids=validation.bad_words_token_ids(
+                request.bad_words or [], lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                self.tokenizer.max_token_id,
+            ),
             _eos_token_id=stop_ids.eos_token_id,
             _all_stop_token_ids=set(stop_ids.all_stop_token_ids),
         )
@@ -377,7 +374,7 @@ class OpenAIServer:
             mm_features=None,
             sampling_params=sampling,
             pooling_params=None,
-            arrival_time=time.time(),
+            arrival_time=prepared.record.arrival_time,
             lora_request=None,
             cache_salt=None,
             data_parallel_rank=None,

@@ -3,8 +3,11 @@
 Requests are validated in strict mode straight from the JSON bytes, so a string where a
 number belongs is a 400, not a silent conversion. Fields vLLM's server accepts beyond
 OpenAI's (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
-skip_special_tokens, include_stop_str_in_output, return_token_ids) are accepted too.
-Unknown fields are ignored, as OpenAI and vLLM do.
+skip_special_tokens, include_stop_str_in_output, return_token_ids, structured_outputs,
+bad_words, allowed_token_ids) are accepted too; a few vLLM fields this server does not
+implement (truncate_prompt_tokens, prompt_logprobs) are parsed only to be refused with a 400.
+Unknown fields are ignored, as OpenAI and vLLM do. Ranges and cross-field rules are checked
+in `validation.py`.
 """
 
 from __future__ import annotations
@@ -53,6 +56,22 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` request field (`StructuredOutputsParams` of vLLM 0.32)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    # `json` would shadow BaseModel.json: named json_schema here, "json" in requests.
+    json_schema: str | dict | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+
 class SamplingRequestFields(BaseModel):
     """Sampling fields shared by chat and text completions."""
 
@@ -82,6 +101,14 @@ class SamplingRequestFields(BaseModel):
     user: str | None = None
     # vLLM extension: return prompt and generated token ids alongside the text.
     return_token_ids: bool | None = False
+    # vLLM extensions: constrained decoding and token filters.
+    structured_outputs: StructuredOutputsRequest | None = None
+    response_format: dict | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    # vLLM extensions refused with a 400 (not implemented here).
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class ChatCompletionRequest(SamplingRequestFields):
@@ -93,7 +120,6 @@ class ChatCompletionRequest(SamplingRequestFields):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
 
 
 class CompletionRequest(SamplingRequestFields):

@@ -28,6 +28,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    # Set by vLLM's front-end (`_validate_structured_outputs`); the engine builds its grammar
+    # backend from the first request's `_backend` and fails requests without one.
+    _backend: str | None = None
+    _backend_was_auto: bool = False
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
