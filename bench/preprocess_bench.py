@@ -1,24 +1,31 @@
 """Images per second per core: mmserve.vision vs Hugging Face's Qwen2-VL / CLIP processors.
 
-    python bench/preprocess_bench.py [--rounds 5] [--seconds 0.6]
+    python bench/preprocess_bench.py [--rounds 5] [--seconds 0.4] [--clock cpu|wall]
 
-Everything runs on one thread (torch, OpenMP, OpenBLAS), from JPEG bytes to the engine's tensors, on
-synthetic photos-like JPEGs (gradients, shapes, noise; quality 90). Each cell is the best of several
-interleaved timed rounds (the machine is shared; the best round is the least disturbed one). Rows:
+Everything runs on one thread (torch, OpenMP, OpenBLAS, MKL), from the same JPEG bytes to the engine's
+tensors, on synthetic photo-like JPEGs (gradients, shapes, noise; quality 90). Both sides decode those
+bytes with the same Pillow build: HF is fed `Image.open(...).convert("RGB")` (cheaper than vLLM's own
+loader, which also runs `exif_transpose` and so copies every image), ours runs `decode_rgb` (vLLM's
+conversion rules, limits checked). Each cell is the best of several interleaved rounds; by default the
+clock is the process's CPU time (`time.process_time`), i.e. seconds of one core, which a loaded, shared
+machine disturbs far less than wall time (all work is single-threaded, so the two agree on a quiet one).
 
-- floor: JPEG decode alone; decode + stock Pillow bicubic resize to the same target (not exact);
-- mmserve: `decode_rgb` + `Qwen2VLSettings.process` (uint8 = vLLM 0.32's default device
-  normalisation; bf16 = normalised and cast), and `+ hash` adds the content hash;
-- HF: `Qwen2VLImageProcessor` (torchvision backend, what vLLM uses) and `Qwen2VLImageProcessorPil`,
-  both fed the decoded PIL image, returning torch tensors;
-- LLaVA: `LlavaSettings.process` vs `CLIPImageProcessor` (torchvision), bf16.
+Rows:
+- floor: JPEG decode alone (to a PIL image; to a numpy array); decode + exact resize alone
+  (pillow-simd when installed, else the numpy resize) and decode + torch's uint8 antialiased resize;
+- mmserve: `decode_rgb` + `Qwen2VLSettings.process` — the gateway's path (uint8 = vLLM 0.32's default
+  device normalisation; bf16 = normalised and cast), `+ content hash`, and `decode_image` + `process`
+  (the PIL image handed over without a numpy round trip);
+- HF: `Qwen2VLImageProcessor` (torchvision backend, what vLLM uses), returning torch tensors, and
+  `CLIPImageProcessor` (torchvision) for LLaVA; bf16 rows add `.to(torch.bfloat16)` as vLLM does.
+The ratio table divides each mmserve row by its HF counterpart.
 """
 
 from __future__ import annotations
 
 import os
 
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
@@ -37,7 +44,8 @@ from PIL import Image  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mmserve.vision import LlavaSettings, PixelDtype, Qwen2VLSettings, decode_rgb  # noqa: E402
-from mmserve.vision.resize import pillow_simd_active  # noqa: E402
+from mmserve.vision.image_io import decode_image  # noqa: E402
+from mmserve.vision.resize import pillow_simd_active, resize_channels  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -58,13 +66,16 @@ def synthetic_jpeg(width: int, height: int, seed: int = 0) -> bytes:
     return buffer.getvalue()
 
 
-def seconds_per_image(fn, seconds: float) -> float:
-    fn()  # warm caches (weights per size, lazy imports)
-    count, start = 0, time.perf_counter()
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def seconds_per_image(fn, seconds: float, clock) -> float:
+    fn()  # warm caches (weights and lookup tables per size, lazy imports)
+    count, start = 0, clock()
     while True:
         fn()
         count += 1
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         if elapsed >= seconds:
             return elapsed / count
 
@@ -81,100 +92,119 @@ def pil_rgb(data: bytes) -> Image.Image:
     return image.convert("RGB")
 
 
+def torch_resize(image: Image.Image, target: tuple[int, int]):
+    tensor = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None]  # as torchvision's pil_to_tensor
+    return torch.nn.functional.interpolate(tensor, size=list(target), mode="bicubic", align_corners=False, antialias=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=0.6, help="length of one timed round")
+    parser.add_argument("--seconds", type=float, default=0.4, help="length of one timed round")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="cpu: process CPU time; wall: perf_counter")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "preprocess.md"))
     parser.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     args = parser.parse_args()
+    clock = CLOCKS[args.clock]
 
     from transformers import CLIPImageProcessor, Qwen2VLImageProcessor
-
-    try:
-        from transformers import Qwen2VLImageProcessorPil
-    except ImportError:
-        Qwen2VLImageProcessorPil = None
 
     qwen = Qwen2VLSettings()  # HF defaults: min 3136, max 1003520 pixels (= Qwen2-VL-7B's max_pixels default)
     llava = LlavaSettings()
     hf_tv = Qwen2VLImageProcessor()
-    hf_pil = Qwen2VLImageProcessorPil() if Qwen2VLImageProcessorPil else None
     hf_clip = CLIPImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
+    bf16 = PixelDtype.BFLOAT16
+    exact_resize = "pillow-simd" if pillow_simd_active() else "numpy"
 
     targets = [qwen.resized_size(width, height) for width, height in SIZES]
     jpegs = [synthetic_jpeg(w, h) for w, h in SIZES]
 
-    methods: list[tuple[str, object]] = [
-        ("floor: JPEG decode (Pillow) to RGB array", lambda d, t: np.asarray(pil_rgb(d))),
-        (
-            "floor: decode + stock Pillow bicubic resize (not exact)",
-            lambda d, t: np.asarray(pil_rgb(d).resize((t[1], t[0]), Image.Resampling.BICUBIC)),
-        ),
-        ("**mmserve Qwen2-VL uint8** (decode + process)", lambda d, t: qwen.process(decode_rgb(d))),
-        ("mmserve Qwen2-VL uint8 + content hash", lambda d, t: qwen.process(decode_rgb(d)).content_hash),
-        ("**mmserve Qwen2-VL bf16** (decode + process)", lambda d, t: qwen.process(decode_rgb(d), PixelDtype.BFLOAT16)),
-        (
-            "HF Qwen2-VL torchvision uint8 (decode + processor)",
-            lambda d, t: hf_tv(images=[pil_rgb(d)], do_rescale=False, do_normalize=False, return_tensors="pt"),
-        ),
-        (
-            "HF Qwen2-VL torchvision bf16 (decode + processor + cast)",
-            lambda d, t: hf_tv(images=[pil_rgb(d)], return_tensors="pt")["pixel_values"].to(torch.bfloat16),
-        ),
-    ]
-    if hf_pil is not None:
-        methods += [
-            (
-                "HF Qwen2-VL PIL backend uint8 (decode + processor)",
-                lambda d, t: hf_pil(images=[pil_rgb(d)], do_rescale=False, do_normalize=False, return_tensors="pt"),
-            ),
-            (
-                "HF Qwen2-VL PIL backend bf16 (decode + processor + cast)",
-                lambda d, t: hf_pil(images=[pil_rgb(d)], return_tensors="pt")["pixel_values"].to(torch.bfloat16),
-            ),
-        ]
-    methods += [
-        ("**mmserve LLaVA bf16** (decode + process)", lambda d, t: llava.process(decode_rgb(d))),
-        (
-            "HF CLIP torchvision bf16 (decode + processor + cast)",
-            lambda d, t: hf_clip(images=[pil_rgb(d)], return_tensors="pt")["pixel_values"].to(torch.bfloat16),
-        ),
+    # (label, fn(data, target), key): rows sharing a key are compared in the ratio table.
+    methods: list[tuple[str, object, str]] = [
+        ("floor: JPEG decode to RGB PIL image", lambda d, t: pil_rgb(d), ""),
+        ("floor: JPEG decode to RGB numpy array (`decode_rgb`)", lambda d, t: decode_rgb(d), ""),
+        (f"floor: decode + exact resize alone ({exact_resize})", lambda d, t: resize_channels(decode_image(d), *t), ""),
+        ("floor: decode + torch uint8 antialiased bicubic alone", lambda d, t: torch_resize(pil_rgb(d), t), ""),
+        ("**mmserve Qwen2-VL uint8** (`decode_rgb` + process)", lambda d, t: qwen.process(decode_rgb(d)), "ours:q8"),
+        ("mmserve Qwen2-VL uint8 (`decode_image` + process)", lambda d, t: qwen.process(decode_image(d)), "alt:q8"),
+        ("mmserve Qwen2-VL uint8 + content hash", lambda d, t: qwen.process(decode_rgb(d)).content_hash, "hash:q8"),
+        ("HF Qwen2-VL torchvision uint8 (decode + processor)",
+         lambda d, t: hf_tv(images=[pil_rgb(d)], do_rescale=False, do_normalize=False, return_tensors="pt"), "hf:q8"),
+        ("**mmserve Qwen2-VL bf16** (`decode_rgb` + process)", lambda d, t: qwen.process(decode_rgb(d), bf16), "ours:qbf"),
+        ("mmserve Qwen2-VL bf16 (`decode_image` + process)", lambda d, t: qwen.process(decode_image(d), bf16), "alt:qbf"),
+        ("HF Qwen2-VL torchvision bf16 (decode + processor + cast)",
+         lambda d, t: hf_tv(images=[pil_rgb(d)], return_tensors="pt")["pixel_values"].to(torch.bfloat16), "hf:qbf"),
+        ("**mmserve LLaVA bf16** (`decode_rgb` + process)", lambda d, t: llava.process(decode_rgb(d)), "ours:lbf"),
+        ("mmserve LLaVA bf16 (`decode_image` + process)", lambda d, t: llava.process(decode_image(d)), "alt:lbf"),
+        ("HF CLIP torchvision bf16 (decode + processor + cast)",
+         lambda d, t: hf_clip(images=[pil_rgb(d)], return_tensors="pt")["pixel_values"].to(torch.bfloat16), "hf:lbf"),
     ]
 
     # Interleaved: every round times every method once, so background load hits all of them alike;
     # each cell keeps its best round.
     best = [[float("inf")] * len(SIZES) for _ in methods]
     for _ in range(args.rounds):
-        for m, (_, fn) in enumerate(methods):
+        for m, (_, fn, _) in enumerate(methods):
             for s, (data, target) in enumerate(zip(jpegs, targets)):
-                best[m][s] = min(best[m][s], seconds_per_image(lambda: fn(data, target), args.seconds))
-    rows = [(label, [1.0 / b for b in best[m]]) for m, (label, _) in enumerate(methods)]
+                best[m][s] = min(best[m][s], seconds_per_image(lambda: fn(data, target), args.seconds, clock))
+    rate = {key: [1.0 / b for b in best[m]] for m, (_, _, key) in enumerate(methods) if key}
+    rows = [(label, [1.0 / b for b in best[m]]) for m, (label, _, _) in enumerate(methods)]
 
-    header = "| images/s, 1 thread | " + " | ".join(
-        f"{w}×{h} → {t[1]}×{t[0]}" for (w, h), t in zip(SIZES, targets)
-    ) + " |"
+    sizes = " | ".join(f"{w}×{h} → {t[1]}×{t[0]}" for (w, h), t in zip(SIZES, targets))
+    unit = "images per CPU-second, 1 thread" if args.clock == "cpu" else "images/s (wall), 1 thread"
     lines = [
         "## Image preprocessing throughput",
         "",
         f"Command: `{command_line()}` "
-        f"(best of {args.rounds} interleaved rounds of {args.seconds} s per cell; OMP/OpenBLAS/torch threads = 1).",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, shared with other jobs; Python {platform.python_version()}, "
-        f"numpy {np.__version__}, Pillow {PIL.__version__} (pillow-simd active: {pillow_simd_active()}), torch {torch.__version__}.",
+        f"(best of {args.rounds} interleaved rounds of {args.seconds} s per cell, clock: {args.clock}; "
+        "OMP/OpenBLAS/MKL/torch threads = 1).",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores ({cpu_model()}), shared with other jobs "
+        f"(load average at the end: {os.getloadavg()[0]:.1f}); Python {platform.python_version()}, numpy {np.__version__}, "
+        f"Pillow {PIL.__version__} (pillow-simd active: {pillow_simd_active()}), torch {torch.__version__}, "
+        f"transformers {transformers_version()}.",
+        "Input: the same JPEG bytes for both sides, decoded by the same Pillow. "
         "Targets are the Qwen2-VL default sizes (max_pixels 1003520); LLaVA rows crop 336×336 from the same JPEGs.",
         "",
-        header,
+        f"| {unit} | {sizes} |",
         "|---|" + "---:|" * len(SIZES),
     ]
     lines += [f"| {label} | " + " | ".join(f"{v:.1f}" for v in values) + " |" for label, values in rows]
-    if hf_pil is None:
-        lines += ["", "transformers has no Qwen2VLImageProcessorPil in this version."]
+    lines += ["", f"| ratio mmserve / HF (images per core) | {sizes} |", "|---|" + "---:|" * len(SIZES)]
+    for key, label in [
+        ("q8", "Qwen2-VL uint8"),
+        ("qbf", "Qwen2-VL bf16"),
+        ("lbf", "LLaVA bf16"),
+    ]:
+        hf = rate[f"hf:{key}"]
+        for kind, how in [("ours", "`decode_rgb` + process"), ("alt", "`decode_image` + process"), ("hash", "+ content hash")]:
+            if f"{kind}:{key}" in rate:
+                ours = rate[f"{kind}:{key}"]
+                bold = "**" if kind == "ours" else ""
+                lines.append(f"| {bold}{label}, {how}{bold} | " + " | ".join(f"{bold}{o / h:.2f}×{bold}" for o, h in zip(ours, hf)) + " |")
     text = "\n".join(lines) + "\n"
     print()
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a" if args.append else "w") as out:
         out.write(("\n" if args.append else "") + text)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                flags = Path("/proc/cpuinfo").read_text()
+                isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
+                return f"{line.split(':', 1)[1].strip()}, {isa}"
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 if __name__ == "__main__":

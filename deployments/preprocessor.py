@@ -14,7 +14,7 @@ from ray import serve
 
 from mmserve.multimodal import ImageBatchRequest, ProcessedImages, load_image_family
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
-from mmserve.vision import ImageLimits
+from mmserve.vision import ImageLimits, pillow_simd_active
 from mmserve.vision.fetch import FetchPolicy
 from serve_app.config import AppConfig, ImagesConfig
 
@@ -49,7 +49,11 @@ class PreprocessorDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
         app_config = AppConfig.model_validate(config)
         self.preprocessor = build_preprocessor(app_config)
-        logger.info("preprocessor for %s images (pixel mode %s)", self.preprocessor.family.name, app_config.images.pixel_mode)
+        logger.info(
+            "preprocessor for %s images (pixel mode %s; exact resize via %s)",
+            self.preprocessor.family.name, app_config.images.pixel_mode,
+            "pillow-simd (self-tested)" if pillow_simd_active() else "numpy",
+        )
 
     async def process(self, request: ImageBatchRequest) -> ProcessedImages:
         return await self.preprocessor.process(request)

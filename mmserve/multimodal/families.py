@@ -12,12 +12,23 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from PIL import Image
 
 from ..text import MediaPlaceholders, ModelFiles
 from ..vision import LlavaSettings, PixelDtype, Qwen2VLSettings
 from .types import ImageField, PixelMode, ProcessedImage
 
 _DTYPE_BY_ENGINE = {"bfloat16": PixelDtype.BFLOAT16, "float16": PixelDtype.FLOAT16, "float32": PixelDtype.FLOAT32}
+
+
+# An RGB image: uint8 [H, W, 3], or a decoded RGB PIL image (the faster path with pillow-simd).
+RGBImage = np.ndarray | Image.Image
+
+
+def _size(image: RGBImage) -> tuple[int, int]:
+    if isinstance(image, np.ndarray):
+        return int(image.shape[1]), int(image.shape[0])
+    return image.size
 
 
 class UnsupportedImageFamily(ValueError):
@@ -43,7 +54,7 @@ class ImageFamily(Protocol):
 
     def num_tokens(self, width: int, height: int) -> int: ...
 
-    def process(self, rgb: np.ndarray, dtype: PixelDtype) -> ProcessedImage: ...
+    def process(self, image: RGBImage, dtype: PixelDtype) -> ProcessedImage: ...
 
 
 @dataclass(frozen=True)
@@ -59,8 +70,9 @@ class Qwen2VLFamily:
     def num_tokens(self, width: int, height: int) -> int:
         return self.settings.num_image_tokens(width, height)
 
-    def process(self, rgb: np.ndarray, dtype: PixelDtype) -> ProcessedImage:
+    def process(self, rgb: RGBImage, dtype: PixelDtype) -> ProcessedImage:
         image = self.settings.process(rgb, dtype)
+        width, height = _size(rgb)
         return ProcessedImage(
             fields=[
                 ImageField("pixel_values", image.pixel_values, dtype.value, "flat"),
@@ -69,8 +81,8 @@ class Qwen2VLFamily:
             ],
             num_tokens=image.num_tokens,
             mm_hash=image.content_hash,
-            width=int(rgb.shape[1]),
-            height=int(rgb.shape[0]),
+            width=width,
+            height=height,
         )
 
 
@@ -87,14 +99,15 @@ class LlavaFamily:
     def num_tokens(self, width: int, height: int) -> int:
         return self.settings.num_image_tokens
 
-    def process(self, rgb: np.ndarray, dtype: PixelDtype) -> ProcessedImage:
+    def process(self, rgb: RGBImage, dtype: PixelDtype) -> ProcessedImage:
         image = self.settings.process(rgb, dtype)
+        width, height = _size(rgb)
         return ProcessedImage(
             fields=[ImageField("pixel_values", image.pixel_values, dtype.value, "batched")],
             num_tokens=image.num_tokens,
             mm_hash=image.content_hash,
-            width=int(rgb.shape[1]),
-            height=int(rgb.shape[0]),
+            width=width,
+            height=height,
         )
 
 

@@ -13,7 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from ..vision import ImageError, ImageLimits, decode_rgb, read_header
+from ..vision import ImageError, ImageLimits, decode_image, read_header
 from ..vision.fetch import FetchError, FetchPolicy, fetch_image_bytes
 from .errors import ImageInputError
 from .families import ImageFamily, pixel_dtype_for
@@ -61,8 +61,8 @@ class ImagePreprocessor:
         for index, data in enumerate(payloads):
             try:
                 read_header(data, self.limits.image)  # pixel count from the header, before decoding
-                rgb = decode_rgb(data, self.limits.image)
-                out.append(self.family.process(rgb, dtype))
+                image = decode_image(data, self.limits.image)
+                out.append(self.family.process(image, dtype))
             except ImageError as exc:
                 raise ImageInputError(str(exc), index=index) from None
             except ValueError as exc:  # e.g. an aspect ratio the family cannot resize

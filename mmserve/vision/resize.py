@@ -22,7 +22,13 @@ Speed, one core, 1280x960 -> 1148x840: about 9-11 ms here against torch's 4.5 ms
 it is memory passes numpy cannot fuse (uint8->float panels, rounding, clamping), not arithmetic.
 
 If the installed PIL is a pillow-simd build whose resize passes a self-test against the numpy path,
-it is used instead (≈5x faster); stock Pillow's bicubic differs from torch and is never used.
+it is used instead (≈5x faster); stock Pillow's bicubic differs from torch and is never used
+(`scripts/install_pillow_simd.sh` installs it into the project venv).
+
+The model pipelines call `resize_channels`, which takes an RGB array or an RGB PIL image (from
+`image_io.decode_image`) and returns the three channel planes, each C-contiguous: with pillow-simd a
+PIL image is resized as it is and read out band by band, with no numpy round trip and no strided
+channels-first transpose.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CropBox", "resize_planes", "resize_rgb", "pillow_simd_active"]
+__all__ = ["CropBox", "resize_channels", "resize_planes", "resize_rgb", "pillow_simd_active"]
 
 # Outputs per dense weight block. A block of n outputs reads about n * scale + taps inputs, so smaller
 # blocks waste fewer multiplications on the zeros outside the band, larger ones make fewer, better-shaped
@@ -257,6 +263,50 @@ def resize_planes(rgb: np.ndarray, height: int, width: int, crop: CropBox | None
     return window[box.top : box.top + box.height, box.left : box.left + box.width].transpose(2, 0, 1)
 
 
+def resize_channels(image, height: int, width: int, crop: CropBox | None = None) -> tuple[np.ndarray, ...]:
+    """`resize_planes` for the model pipelines: the R, G and B planes, each a C-contiguous uint8 [h, w].
+
+    `image` is an RGB uint8 array [H, W, 3] or an RGB PIL image (`image_io.decode_image`). With
+    pillow-simd a PIL image is resized as it is (no copy out to numpy and back), and the planes are
+    read out of the result band by band, already channels-first (no strided transpose).
+    """
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        if image.mode != "RGB":
+            raise ValueError(f"expected an RGB image, got mode {image.mode}")
+        in_w, in_h = image.size
+    else:
+        _check_rgb(image)
+        in_h, in_w = image.shape[:2]
+    if height <= 0 or width <= 0:
+        raise ValueError(f"target size must be positive, got {height}x{width}")
+    box = crop or CropBox(0, 0, height, width)
+    if box.top < 0 or box.left < 0 or box.top + box.height > height or box.left + box.width > width:
+        raise ValueError(f"crop {box} is outside the {height}x{width} resized image")
+
+    resizing = (in_h, in_w) != (height, width)
+    is_pil = isinstance(image, Image.Image)
+    if resizing and not is_pil and _use_pillow_simd():
+        image, is_pil = Image.fromarray(np.ascontiguousarray(image)), True
+    if is_pil and (not resizing or _use_pillow_simd()):
+        from .image_io import channel_planes
+
+        if resizing:
+            image = image.resize((width, height), Image.Resampling.BICUBIC)
+        if (box.height, box.width) != (height, width):
+            image = image.crop((box.left, box.top, box.left + box.width, box.top + box.height))
+        return channel_planes(image)
+    if is_pil:
+        from .image_io import rgb_array
+
+        image = rgb_array(image)  # stock Pillow: its resize is not exact, the numpy one is
+    if resizing:
+        return tuple(_numpy_resize_planes(image, height, width, box))  # views of one contiguous [3, h, w]
+    window = image[box.top : box.top + box.height, box.left : box.left + box.width]
+    return tuple(np.ascontiguousarray(window[:, :, channel]) for channel in range(3))
+
+
 def resize_rgb(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     """Resize an RGB uint8 [H, W, 3] image to (height, width) exactly as torch does; uint8 [h, w, 3]."""
     return np.ascontiguousarray(resize_planes(rgb, height, width).transpose(1, 2, 0))
@@ -299,8 +349,10 @@ def _check_rgb(rgb: np.ndarray) -> None:
 def _pillow_resize(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     from PIL import Image
 
-    image = Image.fromarray(np.ascontiguousarray(rgb), mode="RGB")
-    return np.asarray(image.resize((width, height), Image.Resampling.BICUBIC))
+    from .image_io import rgb_array
+
+    image = Image.fromarray(np.ascontiguousarray(rgb))
+    return rgb_array(image.resize((width, height), Image.Resampling.BICUBIC))
 
 
 _pillow_simd_verdict: bool | None = None  # None: not checked yet
