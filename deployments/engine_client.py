@@ -139,6 +139,56 @@ class EngineClientServer:
                 self.builtin.stop()
 
 
+class CallerWatch:
+    """Cancels the requests of callers (ingress replicas) that died.
+
+    Ray does not stop an actor's streaming generator when the process consuming it dies, so
+    without this an engine request whose ingress was killed would run to `max_tokens` for
+    nobody. Callers are looked up by actor name once per `interval_s` while they have
+    requests here; a name that no longer resolves is a dead replica.
+    """
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
+        self._loop: asyncio.Task[None] | None = None
+
+    def add(self, caller: str, task: asyncio.Task[Any]) -> None:
+        self._tasks.setdefault(caller, set()).add(task)
+        if self._loop is None or self._loop.done():
+            self._loop = asyncio.get_running_loop().create_task(self._run(), name="caller-watch")
+
+    def discard(self, caller: str, task: asyncio.Task[Any]) -> None:
+        tasks = self._tasks.get(caller)
+        if tasks is not None:
+            tasks.discard(task)
+            if not tasks:
+                del self._tasks[caller]
+
+    async def _run(self) -> None:
+        while self._tasks:
+            await asyncio.sleep(self.interval_s)
+            for caller in list(self._tasks):
+                if await asyncio.to_thread(_actor_alive, caller):
+                    continue
+                tasks = self._tasks.pop(caller, set())
+                logger.warning("caller %s is gone: cancelling its %d request(s)", caller, len(tasks))
+                for task in tasks:
+                    task.cancel()
+
+
+def _actor_alive(name: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace="serve")
+    except ValueError:  # no live actor by that name
+        return False
+    except Exception:  # GCS unreachable or the like: assume alive rather than cancel
+        return True
+    return True
+
+
 def _log_start_failure(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("engine did not start: %s", task.exception())
@@ -156,15 +206,27 @@ def _log_start_failure(task: asyncio.Task[Any]) -> None:
 class EngineClientDeployment:
     async def __init__(self, config: dict[str, Any], endpoint: dict[str, Any]) -> None:
         self.server = EngineClientServer(AppConfig.model_validate(config), EngineEndpoint.model_validate(endpoint))
+        self._callers = CallerWatch()
         await self.server.start()
 
     async def generate(
-        self, request: EngineCoreRequest, images: ProcessedImages | None = None
+        self, request: EngineCoreRequest, images: ProcessedImages | None = None, caller: str | None = None
     ) -> AsyncIterator[PromptAccepted | bytes]:
         """Output batches travel to the ingress msgpack-encoded: Ray moves bytes without
-        pickling them, which is most of the per-token cost of a stream (see bench/RESULTS.md)."""
-        async for item in self.server.generate(request, images):
-            yield item if isinstance(item, PromptAccepted) else encode_output_batch(item)
+        pickling them, which is most of the per-token cost of a stream (see bench/RESULTS.md).
+
+        `caller`: the calling replica's actor name; if that replica dies, the request is
+        cancelled (and so aborted in the engine) instead of running on for nobody.
+        """
+        task = asyncio.current_task()
+        if caller and task is not None:
+            self._callers.add(caller, task)
+        try:
+            async for item in self.server.generate(request, images):
+                yield item if isinstance(item, PromptAccepted) else encode_output_batch(item)
+        finally:
+            if caller and task is not None:
+                self._callers.discard(caller, task)
 
     async def info(self) -> EngineInfo:
         return await self.server.info()

@@ -12,7 +12,9 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from ray.serve.exceptions import BackPressureError
+from ray import serve
+from ray.exceptions import RayError
+from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError, PromptAccepted
@@ -43,6 +45,7 @@ class EngineHandleRouter:
         self._refresh_interval_s = refresh_interval_s
         self._refreshed_at = 0.0
         self._refresh_lock = asyncio.Lock()
+        self._caller_name: str | None = None
 
     async def refresh(self) -> list[EngineInfo | None]:
         async with self._refresh_lock:
@@ -87,42 +90,108 @@ class EngineHandleRouter:
             dtype=info.dtype or "bfloat16",
         )
 
-    def preprocess(self, request: ImageBatchRequest) -> DeploymentResponse:
+    def preprocess(self, request: ImageBatchRequest) -> "PendingImages":
         """Start preprocessing. The response is handed to the engine client unawaited: Ray
         resolves it there, so the pixels never pass through this process."""
         if self._preprocessor is None:
             raise InvalidRequestError("this application has no image preprocessor", "messages")
-        return self._preprocessor.process.remote(request)
+        return PendingImages(request, self._preprocessor.process.remote(request))
+
+    def _caller(self) -> str | None:
+        """This replica's actor name: engine clients abort our requests if we die."""
+        if self._caller_name is None:
+            try:
+                self._caller_name = serve.get_replica_context().replica_id.to_full_id_str()
+            except Exception:  # not in a replica (tests of the plain class)
+                self._caller_name = ""
+        return self._caller_name or None
 
     async def generate(
-        self, request: EngineCoreRequest, images: DeploymentResponse | None = None
+        self, request: EngineCoreRequest, images: "PendingImages | DeploymentResponse | None" = None
     ) -> AsyncIterator[PromptAccepted | list[EngineCoreOutput]]:
-        ready = await self._wait_for_ready()
-        index = min(ready, key=lambda i: self._in_flight[i])
-        self._in_flight[index] += 1
-        response = self._handles[index].options(stream=True).generate.remote(request, images)
-        finished = False
-        try:
-            async for item in response:
-                yield decode_output_batch(item) if isinstance(item, bytes) else item
-            finished = True
-        except (EngineDeadError, EngineNotReadyError):
-            self._refreshed_at = 0.0  # look again before routing the next request
-            raise
-        except BackPressureError:
-            raise EngineOverloadedError("the gateway is at capacity; retry shortly", status=503) from None
-        except Exception as exc:
-            # Errors raised by a deployment this call depended on (the preprocessor) arrive
-            # wrapped once per hop; hand the caller the original, typed error.
-            inner = _unwrap(exc)
-            if isinstance(inner, BackPressureError):
-                raise EngineOverloadedError("the image preprocessing queue is full; retry shortly", status=503) from None
-            raise inner from None
-        finally:
-            self._in_flight[index] -= 1
-            if not finished:
-                # Cancels the engine client's generator, whose cleanup aborts the request.
-                response.cancel()
+        """Stream the request from the least-loaded ready engine.
+
+        Until the first output a failure is retried once where that is safe: an engine found
+        dead goes to another ready engine (nothing was generated), and a preprocessing replica
+        that died takes the images to a new one (preprocessing has no side effects).
+        """
+        tried: set[int] = set()
+        reprocessed = False
+        while True:
+            ready = [i for i in await self._wait_for_ready() if i not in tried]
+            if not ready:
+                raise EngineDeadError("every ready engine failed this request before its first output")
+            index = min(ready, key=lambda i: self._in_flight[i])
+            tried.add(index)
+            self._in_flight[index] += 1
+            pixels = images.response if isinstance(images, PendingImages) else images
+            response = self._handles[index].options(stream=True).generate.remote(request, pixels, caller=self._caller())
+            finished = produced = False
+            retry: BaseException | None = None
+            try:
+                async for item in response:
+                    if not isinstance(item, PromptAccepted):
+                        produced = True
+                    yield decode_output_batch(item) if isinstance(item, bytes) else item
+                finished = True
+                return
+            except (EngineDeadError, EngineNotReadyError) as exc:
+                self._refreshed_at = 0.0  # look again before routing the next request
+                if produced or len(self._handles) == 1:
+                    raise
+                retry = exc
+            except BackPressureError:
+                raise EngineOverloadedError("the gateway is at capacity; retry shortly", status=503) from None
+            except Exception as exc:
+                # Errors raised by a deployment this call depended on (the preprocessor) arrive
+                # wrapped once per hop; hand the caller the original, typed error.
+                inner = _unwrap(exc)
+                if isinstance(inner, BackPressureError):
+                    raise EngineOverloadedError("the image preprocessing queue is full; retry shortly", status=503) from None
+                if not isinstance(inner, (RayError, RayServeException)):
+                    raise inner from None
+                # A replica died under this request (the preprocessor's or an engine client's).
+                self._refreshed_at = 0.0
+                if produced:
+                    raise EngineDeadError(f"the engine client serving this request failed: {_describe(inner)}") from None
+                if isinstance(images, PendingImages) and not reprocessed and self._preprocessor is not None:
+                    logger.warning("request %s: retrying after %s", request.request_id, _describe(inner))
+                    images = PendingImages(images.request, self._preprocessor.process.remote(images.request))
+                    reprocessed = True
+                    tried.discard(index)
+                    retry = inner
+                elif isinstance(images, PendingImages):
+                    raise EngineOverloadedError(
+                        f"image preprocessing failed: {_describe(inner)}; retry shortly", status=503) from None
+                elif len(self._handles) > 1:
+                    retry = inner
+                else:
+                    raise EngineDeadError(f"the engine client serving this request failed: {_describe(inner)}") from None
+            finally:
+                self._in_flight[index] -= 1
+                if not finished:
+                    # Cancels the engine client's generator, whose cleanup aborts the request.
+                    try:
+                        response.cancel()
+                    except Exception:  # the call already failed (it re-raises that failure)
+                        pass
+            logger.warning("request %s: no output yet, trying again after: %s", request.request_id, retry)
+
+
+class PendingImages:
+    """Preprocessing in progress: its response, and the request, to start it again if the
+    replica doing it dies."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, request: ImageBatchRequest, response: DeploymentResponse) -> None:
+        self.request = request
+        self.response = response
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
 def _unwrap(exc: BaseException) -> BaseException:

@@ -1,0 +1,170 @@
+"""A client that goes away cancels its work: before its first token, mid-stream, and while its
+images are still being preprocessed. In each case the engine holds no request of it within 1 s
+and the engine client's in-flight map is empty.
+
+One built-in-engine application for the module: `max_num_seqs=1` (a second request queues in
+the engine, so "before the first token" is a state that lasts), 300 ms between decode steps,
+and file:// images from a temporary directory (large JPEGs, so preprocessing takes a while).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+import pytest
+from ray import serve
+
+from tests.conftest import deploy_app
+
+pytestmark = pytest.mark.serve
+
+NAME = "cancel"
+STEP_MS = 300.0
+CHAT = [{"role": "user", "content": "Tell me a long story."}]
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("cancel-images")
+    side = 6000
+    x = np.linspace(0, 255, side, dtype=np.float32)
+    image = Image.fromarray(np.stack([np.add.outer(x, x) / 2, np.add.outer(x, -x) % 256, np.outer(x, x) % 256], -1).astype(np.uint8))
+    for i in range(4):  # four different files (different bytes, different hashes)
+        image.save(root / f"big{i}.jpg", format="JPEG", quality=80 + i)
+    return root
+
+
+@pytest.fixture(scope="module")
+def app(serve_instance, image_dir):
+    deployed = deploy_app(serve_instance, NAME, {
+        "builtin_engine": {"step_interval_ms": STEP_MS, "max_num_seqs": 1},
+        "images": {"allowed_local_dir": str(image_dir)},
+    })
+    yield deployed
+    serve.delete(NAME, _blocking=False)
+
+
+def _wait(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
+
+
+def _send_raw(app, body: dict) -> socket.socket:
+    """POST a chat request over a bare socket and return without reading anything."""
+    url = urlsplit(app.base_url)
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((url.hostname, url.port), timeout=10)
+    head = (
+        f"POST {url.path}/v1/chat/completions HTTP/1.1\r\nHost: {url.hostname}:{url.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    sock.sendall(head + payload)
+    return sock
+
+
+def _abort_connection(sock: socket.socket) -> None:
+    # RST rather than FIN: the proxy sees the client gone at once.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    sock.close()
+
+
+def _engine_idle_within(app, seconds: float) -> float:
+    start = time.monotonic()
+    _wait(lambda: app.engine_utility("has_work") is False, seconds, "engine has no request left")
+    return time.monotonic() - start
+
+
+def _images_body(image_dir: Path, stream: bool = True, max_tokens: int = 3000) -> dict:
+    content = [{"type": "text", "text": "Describe these."}] + [
+        {"type": "image_url", "image_url": {"url": (image_dir / f"big{i}.jpg").as_uri()}} for i in range(4)
+    ]
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": stream}
+
+
+def test_disconnect_before_first_token(app):
+    """The request is queued in the engine behind another one (max_num_seqs=1) when its client
+    leaves: the engine drops it, and nothing of it is left anywhere."""
+    with httpx.stream("POST", app.base_url + "/v1/chat/completions", timeout=60,
+                      json={"messages": CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as keeper:
+        lines = keeper.iter_lines()
+        next(lines)  # the keeper holds the engine's only slot
+        sent = app.engine_info().requests_sent
+        sock = _send_raw(app, {"messages": CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True})
+        try:
+            # Its ADD reached the engine, which queues it (no token yet).
+            _wait(lambda: app.engine_info().requests_sent == sent + 1, 10, "ADD sent")
+            _wait(lambda: app.engine_info().engine_waiting == 1, 2, "request queued in the engine")
+        finally:
+            left_at = time.monotonic()
+            _abort_connection(sock)
+        assert app.engine_info().num_in_flight in (1, 2)
+        # Within 1 s: the engine reports one request (the keeper) and nothing waiting.
+        _wait(lambda: (i := app.engine_info()).engine_waiting == 0 and i.engine_running == 1 and i.num_in_flight == 1,
+              1.0, "queued request aborted")
+        assert time.monotonic() - left_at <= 1.0 + STEP_MS / 1000
+    # Leaving the keeper's block closed it mid-stream.
+    assert _engine_idle_within(app, 1.0) <= 1.0
+    assert app.engine_info().num_in_flight == 0
+
+
+def test_disconnect_mid_stream(app):
+    with httpx.stream("POST", app.base_url + "/v1/chat/completions", timeout=60,
+                      json={"messages": CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as resp:
+        lines = resp.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert app.engine_utility("has_work") is True
+    assert _engine_idle_within(app, 1.0) <= 1.0
+    assert app.engine_info().num_in_flight == 0
+
+
+def _preprocess_time(app, image_dir: Path) -> float:
+    t0 = time.monotonic()
+    r = httpx.post(app.base_url + "/v1/chat/completions", json=_images_body(image_dir, stream=False, max_tokens=1),
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_during_preprocessing(app, image_dir, stream):
+    """Four 6000×6000 images: the client leaves while they are being preprocessed. No ADD is
+    ever sent for the request (the engine client's count of ADDs does not move), the engine is
+    idle, and the service stays usable."""
+    took = _preprocess_time(app, image_dir)  # also warms up the path
+    print(f"a request with four 6000x6000 images takes {took:.2f} s")
+    assert took > 0.8, f"preprocessing too fast ({took:.2f} s) to disconnect during it"
+    sent = app.engine_info().requests_sent
+    sock = _send_raw(app, _images_body(image_dir, stream=stream))
+    time.sleep(min(0.3, took / 4))
+    left_at = time.monotonic()
+    _abort_connection(sock)
+    assert app.engine_info().requests_sent == sent, "the engine request was sent before the client left"
+    # Wait out the preprocessing (and then some): still no ADD, nothing running.
+    while time.monotonic() - left_at < took + 2.0:
+        info = app.engine_info()
+        assert info.requests_sent == sent, f"an ADD was sent after the client had left ({info})"
+        assert app.engine_utility("has_work") is False
+        time.sleep(0.2)
+    info = app.engine_info()
+    assert info.num_in_flight == 0 and info.requests_sent == sent, info
+    # Still serving.
+    r = httpx.post(app.base_url + "/v1/chat/completions", timeout=60,
+                   json={"messages": CHAT, "max_tokens": 2})
+    assert r.status_code == 200, r.text

@@ -1,0 +1,209 @@
+"""Serve replicas killed under load: the preprocessor while it works on large images, the
+ingress while it streams. Affected requests end promptly (an OpenAI-shaped 5xx, a dropped
+connection, or success), Serve restarts the replica, the service recovers, and the engine is
+left with no request running.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import ray
+from ray import serve
+
+from tests.conftest import deploy_app
+
+pytestmark = pytest.mark.serve
+
+CHAT = [{"role": "user", "content": "Tell me a long story."}]
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("replica-images")
+    side = 6000
+    x = np.linspace(0, 255, side, dtype=np.float32)
+    image = Image.fromarray(np.stack([np.add.outer(x, x) / 2, np.add.outer(x, -x) % 256, np.outer(x, x) % 256], -1).astype(np.uint8))
+    for i in range(4):
+        image.save(root / f"big{i}.jpg", format="JPEG", quality=80 + i)
+    return root
+
+
+def _wait(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+            if last:
+                return last
+        except Exception as exc:  # noqa: BLE001 - replicas come and go here
+            last = exc
+        time.sleep(interval_s)
+    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
+
+
+def _kill_replica(app_name: str, deployment: str) -> str:
+    # Serve names replica actors SERVE_REPLICA::APP#DEPLOYMENT#ID in the "serve" namespace
+    # (the state API would need the dashboard, which the test cluster does not run).
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    assert len(names) == 1, names
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    return names[0]
+
+
+def _images_body(image_dir: Path, first: int, stream: bool) -> dict:
+    # Distinct images per request (no cache can shortcut the work).
+    content = [{"type": "text", "text": "Describe these."}] + [
+        {"type": "image_url", "image_url": {"url": (image_dir / f"big{(first + i) % 4}.jpg").as_uri()}} for i in range(4)
+    ]
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "stream": stream}
+
+
+def _post(app, body: dict, result: dict, timeout_s: float = 60) -> None:
+    t0 = time.monotonic()
+    try:
+        if body.get("stream"):
+            with httpx.stream("POST", app.base_url + "/v1/chat/completions", json=body, timeout=timeout_s) as r:
+                text = "".join(r.iter_text())
+                result.update(status=r.status_code, body=text)
+        else:
+            r = httpx.post(app.base_url + "/v1/chat/completions", json=body, timeout=timeout_s)
+            result.update(status=r.status_code, body=r.text)
+    except httpx.HTTPError as exc:
+        result.update(status=None, body=f"{type(exc).__name__}: {exc}")
+    result["took"] = time.monotonic() - t0
+
+
+def _assert_openai_error(result: dict) -> None:
+    """A failure must be a 5xx with OpenAI's error JSON (or, streaming, an error event)."""
+    import json
+
+    status, body = result["status"], result["body"]
+    if status == 200 and body.lstrip().startswith("data:"):
+        events = [line[6:] for line in body.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+        payloads = [json.loads(e) for e in events]
+        errors = [p for p in payloads if "error" in p]
+        if errors:
+            assert errors[0]["error"]["message"], result
+        else:
+            assert any(c["choices"] and c["choices"][0].get("finish_reason") for c in payloads), result
+        return
+    if status == 200:
+        assert json.loads(body)["choices"][0]["finish_reason"], result
+        return
+    assert status is not None and status >= 500, result
+    error = json.loads(body)["error"]
+    assert error["message"] and error["type"], result
+
+
+def _engine_clean(app, within_s: float) -> None:
+    _wait(lambda: app.engine_utility("has_work") is False, within_s, "engine idle")
+    info = app.engine_info()
+    assert info.state == "ready" and info.num_in_flight == 0, info
+
+
+def test_preprocessor_replica_killed_mid_request(serve_instance, image_dir):
+    name = "kill-preprocessor"
+    app = deploy_app(serve_instance, name, {
+        "builtin_engine": {"step_interval_ms": 5.0},
+        "images": {"allowed_local_dir": str(image_dir)},
+        "preprocessor": {"min_replicas": 1, "max_replicas": 1},
+    })
+    try:
+        warm = {}
+        _post(app, _images_body(image_dir, 0, stream=False), warm)
+        assert warm["status"] == 200, warm
+        sent = app.engine_info().requests_sent
+        results = [dict() for _ in range(4)]
+        threads = [threading.Thread(target=_post, args=(app, _images_body(image_dir, i, stream=i % 2 == 1), r))
+                   for i, r in enumerate(results)]
+        for t in threads:
+            t.start()
+        time.sleep(min(0.5, warm["took"] / 3))
+        killed_at = time.monotonic()
+        _kill_replica(name, "Preprocessor")
+        for t in threads:
+            t.join(timeout=60)
+            assert not t.is_alive(), "a request hung after the preprocessor died"
+        ended = time.monotonic() - killed_at
+        print(f"requests ended {ended:.2f} s after the kill: {[(r['status'], r['took']) for r in results]}")
+        for r in results:
+            _assert_openai_error(r)
+        # Each either succeeded (its preprocessing was retried on a new replica) or failed
+        # with a 503 that says what happened.
+        failed = [r for r in results if r["status"] != 200 or '"error"' in r["body"]]
+        for r in failed:
+            assert "preprocess" in r["body"].lower(), r
+        assert ended < 30
+        # Serve restarts the preprocessor; image requests work again.
+        recovered = {}
+
+        def ok() -> bool:
+            _post(app, _images_body(image_dir, 1, stream=False), recovered)
+            return recovered["status"] == 200
+
+        _wait(ok, 90, "image requests work again", interval_s=1.0)
+        _engine_clean(app, 1.0)
+        # Requests whose preprocessing died never reached the engine.
+        assert app.engine_info().requests_sent - sent == len(results) - len(failed) + 1, app.engine_info()
+    finally:
+        serve.delete(name, _blocking=False)
+
+
+def test_ingress_replica_killed_mid_stream(serve_instance):
+    name = "kill-ingress"
+    app = deploy_app(serve_instance, name, {"builtin_engine": {"step_interval_ms": 5.0}})
+    try:
+        results = [dict() for _ in range(2)]
+        got_first = threading.Barrier(3)
+
+        def stream(result: dict) -> None:
+            t0 = time.monotonic()
+            try:
+                with httpx.stream("POST", app.base_url + "/v1/chat/completions", timeout=60,
+                                  json={"messages": CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+                    lines = r.iter_lines()
+                    next(lines)
+                    got_first.wait(timeout=30)
+                    text = "\n".join(lines)
+                    result.update(status=r.status_code, body=text)
+            except (httpx.HTTPError, StopIteration) as exc:
+                result.update(status=None, body=f"{type(exc).__name__}: {exc}")
+            result["ended_at"] = time.monotonic()
+
+        threads = [threading.Thread(target=stream, args=(r,), daemon=True) for r in results]
+        for t in threads:
+            t.start()
+        got_first.wait(timeout=60)
+        assert app.engine_utility("has_work") is True
+        killed_at = time.monotonic()
+        _kill_replica(name, "Ingress")
+        for t in threads:
+            t.join(timeout=30)
+            assert not t.is_alive(), "a client hung after its ingress died"
+        for r in results:
+            # The connection breaks, or the stream ends without finishing normally.
+            assert r["status"] is None or "[DONE]" not in r["body"] or '"error"' in r["body"], r
+            assert r["ended_at"] - killed_at < 10, r
+        # The engine requests of the dead ingress are aborted (their consumer is gone).
+        _engine_clean(app, 10.0)
+        print(f"engine idle {time.monotonic() - killed_at:.2f} s after the ingress was killed")
+
+        # Serve restarts the ingress; new requests succeed.
+        def ok() -> bool:
+            r = httpx.post(app.base_url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4}, timeout=30)
+            return r.status_code == 200
+
+        _wait(ok, 90, "requests succeed after the ingress restart", interval_s=1.0)
+        _engine_clean(app, 1.0)
+    finally:
+        serve.delete(name, _blocking=False)
