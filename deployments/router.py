@@ -80,8 +80,15 @@ class EngineHandleRouter:
     async def infos(self) -> list[EngineInfo | None]:
         return await self.refresh()
 
-    async def limits(self) -> EngineLimits:
-        ready = await self._wait_for_ready()
+    async def limits(self, wait: bool = True) -> EngineLimits:
+        """Limits of a ready engine; waits for one unless `wait` is False (then raises at once)."""
+        if wait:
+            ready = await self._wait_for_ready()
+        else:
+            await self.refresh()
+            ready = self._ready_indices()
+            if not ready:
+                raise EngineNotReadyError("no engine is ready")
         info = self._infos[ready[0]]
         assert info is not None and info.max_model_len is not None
         return EngineLimits(

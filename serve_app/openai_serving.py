@@ -75,7 +75,7 @@ class EngineLimits:
 class EngineRouter(Protocol):
     """Chooses an engine and streams a request's outputs from it."""
 
-    async def limits(self) -> EngineLimits: ...
+    async def limits(self, wait: bool = True) -> EngineLimits: ...
 
     def generate(
         self, request: EngineCoreRequest, images: object | None = None
@@ -142,7 +142,8 @@ class OpenAIServer:
 
     async def models(self) -> ModelList:
         try:
-            limits = await self.router.limits()
+            # Never wait for an engine here: listing models must answer while engines are down.
+            limits = await self.router.limits(wait=False)
             max_len, engine = limits.max_model_len, limits.engine_kind
         except EngineError:
             max_len, engine = None, None

@@ -101,7 +101,12 @@ def test_vllm_engine_killed_mid_stream(serve_instance, tiny_qwen2_vl_dir):
              "engines": [f"tcp://127.0.0.1:{port}"], "health_check_timeout_s": 20},
             ready_timeout_s=600,
         )
+        # Warm the engine up first, so both streams are long past their first token, and far from
+        # their last, when the engine dies.
+        app.openai(timeout=120).chat.completions.create(
+            model=TINY_MODEL_NAME, messages=[{"role": "user", "content": "warm up"}], max_tokens=8)
         threads, results = _open_streams(app, TINY_MODEL_NAME, 2)
+        assert all("outcome" not in r for r in results), "a stream ended before the engine was killed"
         killed_at = time.monotonic()
         engine.kill()
         _assert_all_failed_fast(threads, results, killed_at)
