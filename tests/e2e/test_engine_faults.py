@@ -15,62 +15,23 @@ import openai
 import pytest
 
 from tests.conftest import TINY_MODEL_NAME, deploy_app
+from tests.e2e.fault_support import (
+    FAULT_ENGINE_MAX_MODEL_LEN,
+    VLLM_LONG_STREAM_TOKENS,
+    assert_all_failed_fast,
+    open_streams,
+)
 
 pytestmark = pytest.mark.serve
-
-LONG = {"max_tokens": 900, "extra_body": {"ignore_eos": True}}
-
-
-def _open_streams(app, model: str, count: int) -> tuple[list[threading.Thread], list[dict]]:
-    """Start `count` streaming requests; each records when it first got a token and how it ended."""
-    results = [dict() for _ in range(count)]
-    started = threading.Barrier(count + 1)
-
-    def run(result: dict) -> None:
-        client = app.openai(timeout=120)
-        stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Tell me a long story."}], stream=True, **LONG
-        )
-        got_first = False
-        try:
-            for _ in stream:
-                if not got_first:
-                    got_first = True
-                    started.wait(timeout=120)
-            result["outcome"] = "completed"
-        except openai.APIError as exc:
-            result["outcome"] = "error"
-            result["message"] = str(exc)
-        except Exception as exc:  # connection dropped: also an error, but we want a clean one
-            result["outcome"] = f"exception {type(exc).__name__}: {exc}"
-        result["ended_at"] = time.monotonic()
-        if not got_first:
-            started.abort()
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in results]
-    for t in threads:
-        t.start()
-    started.wait(timeout=180)
-    return threads, results
-
-
-def _assert_all_failed_fast(threads, results, killed_at: float, limit_s: float = 2.0) -> None:
-    for t in threads:
-        t.join(timeout=30)
-        assert not t.is_alive(), "a stream hung after its engine died"
-    for r in results:
-        assert r["outcome"] == "error", r
-        assert r["ended_at"] - killed_at <= limit_s, f"stream ended {r['ended_at'] - killed_at:.2f} s after the kill"
-
 
 def test_builtin_engine_killed_mid_stream(serve_instance):
     app = deploy_app(serve_instance, "faults-builtin", {"builtin_engine": {"step_interval_ms": 5.0}})
     pid = app.engine_info().builtin_pid
     assert pid
-    threads, results = _open_streams(app, "mmserve-builtin", 3)
+    threads, results = open_streams(app, "mmserve-builtin", 3)
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    _assert_all_failed_fast(threads, results, killed_at)
+    assert_all_failed_fast(threads, results, killed_at)
     # Serve replaces the failed engine client, which starts a fresh built-in engine.
     deadline = time.monotonic() + 90
     while True:
@@ -93,7 +54,7 @@ def test_vllm_engine_killed_mid_stream(serve_instance, tiny_qwen2_vl_dir):
     from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
 
     port = free_tcp_port()
-    engine = HeadlessVllmEngine(tiny_qwen2_vl_dir, port, max_model_len=1024).start()
+    engine = HeadlessVllmEngine(tiny_qwen2_vl_dir, port, max_model_len=FAULT_ENGINE_MAX_MODEL_LEN).start()
     try:
         app = deploy_app(
             serve_instance, "faults-vllm",
@@ -105,11 +66,11 @@ def test_vllm_engine_killed_mid_stream(serve_instance, tiny_qwen2_vl_dir):
         # their last, when the engine dies.
         app.openai(timeout=120).chat.completions.create(
             model=TINY_MODEL_NAME, messages=[{"role": "user", "content": "warm up"}], max_tokens=8)
-        threads, results = _open_streams(app, TINY_MODEL_NAME, 2)
+        threads, results = open_streams(app, TINY_MODEL_NAME, 2, max_tokens=VLLM_LONG_STREAM_TOKENS)
         assert all("outcome" not in r for r in results), "a stream ended before the engine was killed"
         killed_at = time.monotonic()
         engine.kill()
-        _assert_all_failed_fast(threads, results, killed_at)
+        assert_all_failed_fast(threads, results, killed_at)
         # New requests fail fast with 503 instead of hanging while no engine is there.
         t0 = time.monotonic()
         with pytest.raises(openai.APIStatusError) as err:

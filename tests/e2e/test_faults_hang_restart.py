@@ -20,62 +20,20 @@ import pytest
 from ray import serve
 
 from tests.conftest import TINY_MODEL_NAME, deploy_app
+from tests.e2e.fault_support import (
+    FAULT_ENGINE_MAX_MODEL_LEN,
+    VLLM_LONG_STREAM_TOKENS,
+    assert_all_failed_fast,
+    open_streams,
+)
 
 pytestmark = pytest.mark.serve
 
 FAST_HEALTH = {"health_check_interval_s": 0.5, "health_check_timeout_s": 1.0}
-LONG = {"max_tokens": 900, "extra_body": {"ignore_eos": True}}
 BUILTIN = "mmserve-builtin"
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _open_streams(app, model: str, count: int, max_tokens: int = 900) -> tuple[list[threading.Thread], list[dict]]:
-    """Start `count` streams; return once each has its first token. Each records how it ended."""
-    results = [dict() for _ in range(count)]
-    started = threading.Barrier(count + 1)
-
-    def run(result: dict) -> None:
-        got_first = False
-        try:
-            stream = app.openai(timeout=120).chat.completions.create(
-                model=model, messages=[{"role": "user", "content": "Tell me a long story."}], stream=True,
-                max_tokens=max_tokens, extra_body={"ignore_eos": True},
-            )
-            for _ in stream:
-                if not got_first:
-                    got_first = True
-                    started.wait(timeout=120)
-            result["outcome"] = "completed"
-        except openai.APIError as exc:
-            result["outcome"] = "error"
-            result["message"] = str(exc)
-        except Exception as exc:  # noqa: BLE001 - recorded for the assertion message
-            result["outcome"] = f"exception {type(exc).__name__}: {exc}"
-        result["ended_at"] = time.monotonic()
-        if not got_first:
-            started.abort()
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in results]
-    for t in threads:
-        t.start()
-    try:
-        started.wait(timeout=180)
-    except threading.BrokenBarrierError:
-        for t in threads:
-            t.join(timeout=30)
-        raise AssertionError(f"not every stream got its first token: {results}") from None
-    return threads, results
-
-
-def _assert_all_failed_fast(threads, results, fault_at: float, limit_s: float = 2.0) -> None:
-    for t in threads:
-        t.join(timeout=30)
-        assert not t.is_alive(), "a stream hung after its engine failed"
-    for r in results:
-        assert r["outcome"] == "error", r
-        assert r["ended_at"] - fault_at <= limit_s, f"stream ended {r['ended_at'] - fault_at:.2f} s after the fault: {r}"
 
 
 def _wait(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
@@ -139,11 +97,11 @@ def test_builtin_engine_sigstopped_mid_stream_fails_fast_and_recovers(serve_inst
     try:
         pid = app.engine_info().builtin_pid
         assert pid
-        threads, results = _open_streams(app, BUILTIN, 3)
+        threads, results = open_streams(app, BUILTIN, 3)
         stopped_at = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
         try:
-            _assert_all_failed_fast(threads, results, stopped_at)
+            assert_all_failed_fast(threads, results, stopped_at)
             for r in results:
                 assert "health check" in r["message"], r
             # The replica reports the hang until Serve replaces it (3 failed checks × 2 s).
@@ -172,11 +130,11 @@ def test_builtin_engine_killed_state_and_no_leaks(serve_instance):
     app = deploy_app(serve_instance, name, {"builtin_engine": {"step_interval_ms": 5.0}, **FAST_HEALTH})
     try:
         pid = app.engine_info().builtin_pid
-        threads, results = _open_streams(app, BUILTIN, 3)
+        threads, results = open_streams(app, BUILTIN, 3)
         assert app.engine_info().num_in_flight == 3
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        _assert_all_failed_fast(threads, results, killed_at, limit_s=1.0)
+        assert_all_failed_fast(threads, results, killed_at, limit_s=1.0)
         info = app.engine_info()
         assert info.state == "dead" and "connection lost" in (info.death_reason or ""), info
         assert info.num_in_flight == 0, info
@@ -219,7 +177,7 @@ def test_two_engines_one_killed_then_restarted_on_same_port(serve_instance):
                                               "served_model_name": BUILTIN, **FAST_HEALTH})
         _wait(lambda: all(app.engine_info(i).state == "ready" for i in (0, 1)), 60, "both engines ready")
         # One long stream on each engine (the router balances by requests in flight).
-        threads, results = _open_streams(app, BUILTIN, 2, max_tokens=400)
+        threads, results = open_streams(app, BUILTIN, 2, max_tokens=400)
         assert [app.engine_info(i).num_in_flight for i in (0, 1)] == [1, 1]
         killed_at = time.monotonic()
         procs[0].kill()
@@ -273,7 +231,7 @@ def test_vllm_sigstopped_mid_stream_then_new_engine_on_same_port(serve_instance,
 
     name = "hang-vllm"
     port = free_tcp_port()
-    engines = [HeadlessVllmEngine(tiny_qwen2_vl_dir, port, max_model_len=1024).start()]
+    engines = [HeadlessVllmEngine(tiny_qwen2_vl_dir, port, max_model_len=FAULT_ENGINE_MAX_MODEL_LEN).start()]
     try:
         app = deploy_app(
             serve_instance, name,
@@ -281,18 +239,18 @@ def test_vllm_sigstopped_mid_stream_then_new_engine_on_same_port(serve_instance,
              "engines": [f"tcp://127.0.0.1:{port}"], **FAST_HEALTH},
             ready_timeout_s=600,
         )
-        threads, results = _open_streams(app, TINY_MODEL_NAME, 2)
+        threads, results = open_streams(app, TINY_MODEL_NAME, 2, max_tokens=VLLM_LONG_STREAM_TOKENS)
         assert not any(results), f"a stream ended before the engine was stopped: {results}"
         stopped_at = time.monotonic()
         engines[0].sigstop()
-        _assert_all_failed_fast(threads, results, stopped_at)
+        assert_all_failed_fast(threads, results, stopped_at)
         info = app.engine_info()
         assert info.state == "dead" and "health check" in (info.death_reason or ""), info
         assert info.num_in_flight == 0
         assert _health(app).status_code == 503
         # Replace the hung engine with a new one on the same port.
         engines[0].kill()
-        engines.append(HeadlessVllmEngine(tiny_qwen2_vl_dir, port, max_model_len=1024).start())
+        engines.append(HeadlessVllmEngine(tiny_qwen2_vl_dir, port, max_model_len=FAULT_ENGINE_MAX_MODEL_LEN).start())
         try:
             _wait_recovered(app, TINY_MODEL_NAME, 300)
         except AssertionError:

@@ -1,0 +1,60 @@
+"""Helpers shared by the fault tests: long streams that record how and when they ended."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+
+# Real vLLM engines for fault tests get a long context so a stream cannot finish on its own
+# before the fault is injected (the tiny CPU model generates ~1000 tokens/s).
+FAULT_ENGINE_MAX_MODEL_LEN = 4096
+VLLM_LONG_STREAM_TOKENS = 4000
+
+
+def open_streams(app, model: str, count: int, max_tokens: int = 900) -> tuple[list[threading.Thread], list[dict]]:
+    """Start `count` streams; return once each has its first token. Each records how it ended."""
+    results = [dict() for _ in range(count)]
+    started = threading.Barrier(count + 1)
+
+    def run(result: dict) -> None:
+        got_first = False
+        try:
+            stream = app.openai(timeout=120).chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Tell me a long story."}], stream=True,
+                max_tokens=max_tokens, extra_body={"ignore_eos": True},
+            )
+            for _ in stream:
+                if not got_first:
+                    got_first = True
+                    started.wait(timeout=120)
+            result["outcome"] = "completed"
+        except openai.APIError as exc:
+            result["outcome"] = "error"
+            result["message"] = str(exc)
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertion message
+            result["outcome"] = f"exception {type(exc).__name__}: {exc}"
+        result["ended_at"] = time.monotonic()
+        if not got_first:
+            started.abort()
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in results]
+    for t in threads:
+        t.start()
+    try:
+        started.wait(timeout=180)
+    except threading.BrokenBarrierError:
+        for t in threads:
+            t.join(timeout=30)
+        raise AssertionError(f"not every stream got its first token: {results}") from None
+    return threads, results
+
+
+def assert_all_failed_fast(threads, results, fault_at: float, limit_s: float = 2.0) -> None:
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive(), "a stream hung after its engine failed"
+    for r in results:
+        assert r["outcome"] == "error", r
+        assert r["ended_at"] - fault_at <= limit_s, f"stream ended {r['ended_at'] - fault_at:.2f} s after the fault: {r}"
