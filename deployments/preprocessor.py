@@ -41,7 +41,7 @@ def build_preprocessor(config: AppConfig) -> ImagePreprocessor:
         max_images_per_request=images.max_images_per_request,
         image=ImageLimits(max_bytes=images.max_image_bytes, max_pixels=images.max_image_pixels),
     )
-    return ImagePreprocessor(family, fetch_policy(images), limits)
+    return ImagePreprocessor(family, fetch_policy(images), limits, cache_bytes=images.cache_bytes)
 
 
 @serve.deployment(name="Preprocessor")

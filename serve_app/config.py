@@ -109,6 +109,8 @@ class ImagesConfig(BaseModel):
     allowed_hosts: list[str] = []
     # file:// URLs are refused unless this names a directory; only files below it are served.
     allowed_local_dir: str | None = None
+    # Per preprocessor replica: processed images kept for repeats (by encoded bytes); 0 = off.
+    cache_bytes: int = 256 * 1024 * 1024
 
 
 class PreprocessorDeploymentConfig(BaseModel):
