@@ -12,7 +12,6 @@ from mmserve.builtin_engine.wire_engine_side import ReceivedRequest, ReceivedSam
 
 from tests.builtin_engine.test_builtin_engine import MODEL_DIR, Engine, make_request, run
 
-pytestmark = pytest.mark.skipif(not (MODEL_DIR / "tokenizer.json").is_file(), reason="built-in model dir missing")
 
 
 @pytest.fixture(scope="module")

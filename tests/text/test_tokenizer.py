@@ -56,10 +56,10 @@ def test_model_files(model_dir: Path) -> None:
     assert files.generation_config.eos_token_ids or files.model_config.model_type == "llama"
 
 
-def test_builtin_model_dir_ids(model_dir: Path) -> None:
-    if model_dir.name != "model":
-        pytest.skip("builtin model dir only")
-    files = ModelFiles.load(model_dir)
+def test_builtin_model_dir_ids() -> None:
+    from serve_app.config import BUILTIN_MODEL_DIR
+
+    files = ModelFiles.load(BUILTIN_MODEL_DIR)
     tok = Tokenizer.from_model_files(files)
     assert files.model_config.token_id("image_token_id") == tok.token_to_id("<|image_pad|>")
     assert files.model_config.token_id("vision_start_token_id") == tok.token_to_id("<|vision_start|>")

@@ -566,7 +566,7 @@ async def test_connection_refused_is_a_clean_error():
 
 def make_tls(tmp_path, name: str):
     """A throwaway CA and a server certificate for `name`; returns (server ctx, client ctx)."""
-    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
