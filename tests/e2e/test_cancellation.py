@@ -9,7 +9,6 @@ and file:// images from a temporary directory (large JPEGs, so preprocessing tak
 
 from __future__ import annotations
 
-import io
 import json
 import socket
 import time

@@ -167,7 +167,6 @@ def test_ingress_replica_killed_mid_stream(serve_instance):
         got_first = threading.Barrier(3)
 
         def stream(result: dict) -> None:
-            t0 = time.monotonic()
             try:
                 with httpx.stream("POST", app.base_url + "/v1/chat/completions", timeout=60,
                                   json={"messages": CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:

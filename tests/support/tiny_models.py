@@ -105,7 +105,7 @@ def _llama_style_tokenizer_json() -> str:
     """A SentencePiece-like BPE in the Llama-2 tokenizer.json format llava-hf ships: normalizer
     Prepend("▁") + Replace(" ", "▁"), no pre-tokenizer, byte fallback, BOS added by the
     post-processor, decoder Replace/ByteFallback/Fuse/Strip."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
     tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))

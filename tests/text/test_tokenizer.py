@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import pytest
 
 from mmserve.text import ModelFiles, Tokenizer, resolve_stop_token_ids
 
