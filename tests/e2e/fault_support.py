@@ -58,3 +58,29 @@ def assert_all_failed_fast(threads, results, fault_at: float, limit_s: float = 2
     for r in results:
         assert r["outcome"] == "error", r
         assert r["ended_at"] - fault_at <= limit_s, f"stream ended {r['ended_at'] - fault_at:.2f} s after the fault: {r}"
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    """Poll `predicate` until it returns something truthy; replicas come and go meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+            if last:
+                return last
+        except Exception as exc:  # noqa: BLE001 - recorded for the failure message
+            last = exc
+        time.sleep(interval_s)
+    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
+
+
+def write_big_jpegs(root, count: int = 4, side: int = 6000) -> None:
+    """Large, distinct JPEGs (different bytes, different hashes) that take a while to preprocess."""
+    import numpy as np
+    from PIL import Image
+
+    x = np.linspace(0, 255, side, dtype=np.float32)
+    image = Image.fromarray(np.stack([np.add.outer(x, x) / 2, np.add.outer(x, -x) % 256, np.outer(x, x) % 256], -1).astype(np.uint8))
+    for i in range(count):
+        image.save(root / f"big{i}.jpg", format="JPEG", quality=80 + i)

@@ -16,10 +16,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
-import numpy as np
 import pytest
 from ray import serve
 
+from tests.e2e.fault_support import wait_for, write_big_jpegs
 from tests.conftest import deploy_app
 
 pytestmark = pytest.mark.serve
@@ -31,14 +31,8 @@ CHAT = [{"role": "user", "content": "Tell me a long story."}]
 
 @pytest.fixture(scope="module")
 def image_dir(tmp_path_factory) -> Path:
-    from PIL import Image
-
     root = tmp_path_factory.mktemp("cancel-images")
-    side = 6000
-    x = np.linspace(0, 255, side, dtype=np.float32)
-    image = Image.fromarray(np.stack([np.add.outer(x, x) / 2, np.add.outer(x, -x) % 256, np.outer(x, x) % 256], -1).astype(np.uint8))
-    for i in range(4):  # four different files (different bytes, different hashes)
-        image.save(root / f"big{i}.jpg", format="JPEG", quality=80 + i)
+    write_big_jpegs(root)
     return root
 
 
@@ -46,21 +40,12 @@ def image_dir(tmp_path_factory) -> Path:
 def app(serve_instance, image_dir):
     deployed = deploy_app(serve_instance, NAME, {
         "builtin_engine": {"step_interval_ms": STEP_MS, "max_num_seqs": 1},
-        "images": {"allowed_local_dir": str(image_dir)},
+        "images": {"allowed_local_dir": str(image_dir), "cache_bytes": 0},  # every request pays the pixel work
     })
     yield deployed
     serve.delete(NAME, _blocking=False)
 
 
-def _wait(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
 
 
 def _send_raw(app, body: dict) -> socket.socket:
@@ -84,7 +69,7 @@ def _abort_connection(sock: socket.socket) -> None:
 
 def _engine_idle_within(app, seconds: float) -> float:
     start = time.monotonic()
-    _wait(lambda: app.engine_utility("has_work") is False, seconds, "engine has no request left")
+    wait_for(lambda: app.engine_utility("has_work") is False, seconds, "engine has no request left")
     return time.monotonic() - start
 
 
@@ -107,14 +92,14 @@ def test_disconnect_before_first_token(app):
         sock = _send_raw(app, {"messages": CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True})
         try:
             # Its ADD reached the engine, which queues it (no token yet).
-            _wait(lambda: app.engine_info().requests_sent == sent + 1, 10, "ADD sent")
-            _wait(lambda: app.engine_info().engine_waiting == 1, 2, "request queued in the engine")
+            wait_for(lambda: app.engine_info().requests_sent == sent + 1, 10, "ADD sent")
+            wait_for(lambda: app.engine_info().engine_waiting == 1, 2, "request queued in the engine")
         finally:
             left_at = time.monotonic()
             _abort_connection(sock)
         assert app.engine_info().num_in_flight in (1, 2)
         # Within 1 s: the engine reports one request (the keeper) and nothing waiting.
-        _wait(lambda: (i := app.engine_info()).engine_waiting == 0 and i.engine_running == 1 and i.num_in_flight == 1,
+        wait_for(lambda: (i := app.engine_info()).engine_waiting == 0 and i.engine_running == 1 and i.num_in_flight == 1,
               1.0, "queued request aborted")
         assert time.monotonic() - left_at <= 1.0 + STEP_MS / 1000
     # Leaving the keeper's block closed it mid-stream.

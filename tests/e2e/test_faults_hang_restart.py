@@ -24,6 +24,7 @@ from tests.e2e.fault_support import (
     VLLM_LONG_STREAM_TOKENS,
     assert_all_failed_fast,
     open_streams,
+    wait_for,
 )
 
 pytestmark = pytest.mark.serve
@@ -35,18 +36,6 @@ BUILTIN = "mmserve-builtin"
 # ----------------------------------------------------------------------------- helpers
 
 
-def _wait(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-            if last:
-                return last
-        except Exception as exc:  # noqa: BLE001 - replicas come and go during these tests
-            last = exc
-        time.sleep(interval_s)
-    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
 
 
 def _chat(app, model: str, content: str = "still there?", max_tokens: int = 4):
@@ -63,13 +52,13 @@ def _wait_recovered(app, model: str, timeout_s: float) -> float:
         except openai.APIError:
             return False
 
-    _wait(ok, timeout_s, "service recovered", interval_s=0.5)
+    wait_for(ok, timeout_s, "service recovered", interval_s=0.5)
     return time.monotonic() - start
 
 
 def _assert_nothing_in_flight(app, index: int = 0, within_s: float = 1.0) -> None:
     """Engine-side running requests back to 0 and the engine client's in-flight map empty."""
-    _wait(lambda: app.engine_utility("has_work", index=index) is False, within_s, "engine idle")
+    wait_for(lambda: app.engine_utility("has_work", index=index) is False, within_s, "engine idle")
     info = app.engine_info(index)
     assert info.state == "ready", info
     assert info.num_in_flight == 0, info
@@ -118,7 +107,7 @@ def test_builtin_engine_sigstopped_mid_stream_fails_fast_and_recovers(serve_inst
         assert info.builtin_pid != pid and info.state == "ready", info
         _assert_nothing_in_flight(app)
         # The hung engine does not outlive the replica that gave up on it.
-        _wait(lambda: _pid_gone(pid), 30, f"old built-in engine {pid} gone")
+        wait_for(lambda: _pid_gone(pid), 30, f"old built-in engine {pid} gone")
         print(f"recovered {took:.1f} s after the hang was detected")
     finally:
         serve.delete(name, _blocking=False)
@@ -174,7 +163,7 @@ def test_two_engines_one_killed_then_restarted_on_same_port(serve_instance):
     try:
         app = deploy_app(serve_instance, name, {"engines": [f"tcp://127.0.0.1:{p}" for p in ports],
                                               "served_model_name": BUILTIN, **FAST_HEALTH})
-        _wait(lambda: all(app.engine_info(i).state == "ready" for i in (0, 1)), 60, "both engines ready")
+        wait_for(lambda: all(app.engine_info(i).state == "ready" for i in (0, 1)), 60, "both engines ready")
         # One long stream on each engine (the router balances by requests in flight).
         threads, results = open_streams(app, BUILTIN, 2, max_tokens=400)
         assert [app.engine_info(i).num_in_flight for i in (0, 1)] == [1, 1]
@@ -204,7 +193,7 @@ def test_two_engines_one_killed_then_restarted_on_same_port(serve_instance):
         # Restart engine 0 on the same handshake port right away (before Serve has replaced
         # the engine client that saw it die): the replacement must handshake with it.
         procs[0] = _start_builtin(ports[0])
-        _wait(lambda: app.engine_info(0).state == "ready", 90, "restarted engine 0 ready")
+        wait_for(lambda: app.engine_info(0).state == "ready", 90, "restarted engine 0 ready")
         sent_before = app.engine_info(0).requests_sent
         for i in range(6):
             _chat(app, BUILTIN, f"after restart {i}")

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import ray
 from ray import serve
 
+from tests.e2e.fault_support import wait_for, write_big_jpegs
 from tests.conftest import deploy_app
 
 pytestmark = pytest.mark.serve
@@ -25,29 +25,11 @@ CHAT = [{"role": "user", "content": "Tell me a long story."}]
 
 @pytest.fixture(scope="module")
 def image_dir(tmp_path_factory) -> Path:
-    from PIL import Image
-
     root = tmp_path_factory.mktemp("replica-images")
-    side = 6000
-    x = np.linspace(0, 255, side, dtype=np.float32)
-    image = Image.fromarray(np.stack([np.add.outer(x, x) / 2, np.add.outer(x, -x) % 256, np.outer(x, x) % 256], -1).astype(np.uint8))
-    for i in range(4):
-        image.save(root / f"big{i}.jpg", format="JPEG", quality=80 + i)
+    write_big_jpegs(root)
     return root
 
 
-def _wait(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-            if last:
-                return last
-        except Exception as exc:  # noqa: BLE001 - replicas come and go here
-            last = exc
-        time.sleep(interval_s)
-    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
 
 
 def _kill_replica(app_name: str, deployment: str) -> str:
@@ -106,7 +88,7 @@ def _assert_openai_error(result: dict) -> None:
 
 
 def _engine_clean(app, within_s: float) -> None:
-    _wait(lambda: app.engine_utility("has_work") is False, within_s, "engine idle")
+    wait_for(lambda: app.engine_utility("has_work") is False, within_s, "engine idle")
     info = app.engine_info()
     assert info.state == "ready" and info.num_in_flight == 0, info
 
@@ -115,7 +97,7 @@ def test_preprocessor_replica_killed_mid_request(serve_instance, image_dir):
     name = "kill-preprocessor"
     app = deploy_app(serve_instance, name, {
         "builtin_engine": {"step_interval_ms": 5.0},
-        "images": {"allowed_local_dir": str(image_dir)},
+        "images": {"allowed_local_dir": str(image_dir), "cache_bytes": 0},  # every request pays the pixel work
         "preprocessor": {"min_replicas": 1, "max_replicas": 1},
     })
     try:
@@ -151,7 +133,7 @@ def test_preprocessor_replica_killed_mid_request(serve_instance, image_dir):
             _post(app, _images_body(image_dir, 1, stream=False), recovered)
             return recovered["status"] == 200
 
-        _wait(ok, 90, "image requests work again", interval_s=1.0)
+        wait_for(ok, 90, "image requests work again", interval_s=1.0)
         _engine_clean(app, 1.0)
         # Requests whose preprocessing died never reached the engine.
         assert app.engine_info().requests_sent - sent == len(results) - len(failed) + 1, app.engine_info()
@@ -202,7 +184,7 @@ def test_ingress_replica_killed_mid_stream(serve_instance):
             r = httpx.post(app.base_url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4}, timeout=30)
             return r.status_code == 200
 
-        _wait(ok, 90, "requests succeed after the ingress restart", interval_s=1.0)
+        wait_for(ok, 90, "requests succeed after the ingress restart", interval_s=1.0)
         _engine_clean(app, 1.0)
     finally:
         serve.delete(name, _blocking=False)
