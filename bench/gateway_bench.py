@@ -33,7 +33,6 @@ import os
 import platform
 import shlex
 import shutil
-import statistics
 import sys
 import tempfile
 import time

@@ -11,11 +11,10 @@ here (the engine does neither) → OpenAI responses or SSE chunks. Leaving a str
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -120,6 +119,8 @@ class PreparedRequest:
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     min_tokens: int
+    # The engines' limits this request was checked against (from their handshake).
+    limits: EngineLimits
     # Opaque preprocessing response (never resolved in the ingress), or None for text only.
     images: object | None = None
     # Timings and counts for metrics and the request's log line.
@@ -173,9 +174,10 @@ class OpenAIServer:
         )
         self._attach(prepared, record, num_images=len(image_urls))
         if image_urls:
-            limits = await self.router.limits()
             prepared.images = self.router.preprocess(
-                ImageBatchRequest(urls=image_urls, pixel_mode=PixelMode(self.config.images.pixel_mode), engine_dtype=limits.dtype)
+                ImageBatchRequest(
+                    urls=image_urls, pixel_mode=PixelMode(self.config.images.pixel_mode), engine_dtype=prepared.limits.dtype
+                )
             )
         if request.stream:
             return await self._started(self._chat_stream(request, prepared))
@@ -360,6 +362,7 @@ class OpenAIServer:
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             min_tokens=request.min_tokens,
+            limits=limits,
         )
 
     def _engine_request(self, prepared: PreparedRequest, index: int) -> EngineCoreRequest:
