@@ -5,49 +5,32 @@ resizing (down, up, one axis) and images that do not.
 
 from __future__ import annotations
 
-import base64
-import io
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from tests.conftest import TINY_MODEL_NAME, deploy_app
+from tests.support.images import image_part, image_uri
 from tests.support.vllm_reference import run_offline_reference
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
 
 
-def _image_uri(width: int, height: int, seed: int, fmt: str = "PNG") -> str:
-    # Smooth gradients plus noise: realistic enough that resize filters matter.
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([(x * 255 // max(width - 1, 1)), (y * 255 // max(height - 1, 1)), ((x + y) * 127 // max(width + height, 1))], -1)
-    arr = np.clip(base + rng.integers(-40, 40, size=(height, width, 3)), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
-    mime = "image/jpeg" if fmt == "JPEG" else "image/png"
-    return f"data:{mime};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _part(uri: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": uri}}
-
-
-IMG_RESIZE = _image_uri(300, 200, 1)  # downscale to multiples of 28
-IMG_IDENTITY = _image_uri(84, 56, 2)  # multiples of 28, within bounds: no resize
-IMG_LARGE = _image_uri(640, 480, 3, "JPEG")  # above max_pixels: downscale
-IMG_TINY = _image_uri(30, 20, 4)  # below min_pixels: upscale
-IMG_ONE_AXIS = _image_uri(112, 90, 5)  # width already a multiple of 28, height not
+IMG_RESIZE = image_uri(300, 200, 1)  # downscale to multiples of 28
+IMG_IDENTITY = image_uri(84, 56, 2)  # multiples of 28, within bounds: no resize
+IMG_LARGE = image_uri(640, 480, 3, "JPEG")  # above max_pixels: downscale
+IMG_TINY = image_uri(30, 20, 4)  # below min_pixels: upscale
+IMG_ONE_AXIS = image_uri(112, 90, 5)  # width already a multiple of 28, height not
 
 CHATS = [
-    [{"role": "user", "content": [_part(IMG_RESIZE), {"type": "text", "text": "What is in this image?"}]}],
+    [{"role": "user", "content": [image_part(IMG_RESIZE), {"type": "text", "text": "What is in this image?"}]}],
     [{"role": "user", "content": [
-        {"type": "text", "text": "Compare the first"}, _part(IMG_IDENTITY),
-        {"type": "text", "text": "with the second"}, _part(IMG_LARGE), {"type": "text", "text": "briefly."}]}],
-    [{"role": "system", "content": "Describe images."}, {"role": "user", "content": [_part(IMG_TINY)]}],
+        {"type": "text", "text": "Compare the first"}, image_part(IMG_IDENTITY),
+        {"type": "text", "text": "with the second"}, image_part(IMG_LARGE), {"type": "text", "text": "briefly."}]}],
+    [{"role": "system", "content": "Describe images."}, {"role": "user", "content": [image_part(IMG_TINY)]}],
     [
-        {"role": "user", "content": [{"type": "text", "text": "Look:"}, _part(IMG_ONE_AXIS)]},
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, image_part(IMG_ONE_AXIS)]},
         {"role": "assistant", "content": "A picture."},
         {"role": "user", "content": "Say more."},
     ],

@@ -9,14 +9,11 @@ and a small one needing an upscale (150x120). LLaVA engines expect host-normalis
 
 from __future__ import annotations
 
-import base64
-import io
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from tests.conftest import deploy_app
+from tests.support.images import image_part, image_uri
 from tests.support.vllm_reference import run_offline_reference
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
@@ -27,44 +24,30 @@ MAX_MODEL_LEN = 2048  # two images already take 1152 tokens
 IMAGE_TOKENS = 576
 
 
-def _image_uri(width: int, height: int, seed: int, fmt: str = "PNG") -> str:
-    # Smooth gradients plus noise: realistic enough that resize filters matter.
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([(x * 255 // max(width - 1, 1)), (y * 255 // max(height - 1, 1)), ((x + y) * 127 // max(width + height, 1))], -1)
-    arr = np.clip(base + rng.integers(-40, 40, size=(height, width, 3)), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
-    mime = "image/jpeg" if fmt == "JPEG" else "image/png"
-    return f"data:{mime};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _part(uri: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": uri}}
-
-
-IMG_LANDSCAPE = _image_uri(500, 400, 11)  # resize to 420x336, crop columns
-IMG_IDENTITY = _image_uri(336, 336, 12)  # no resize, no crop
-IMG_PORTRAIT = _image_uri(200, 600, 13, "JPEG")  # resize to 336x1008, crop rows
-IMG_SMALL = _image_uri(150, 120, 14)  # upscale, then crop
+IMG_LANDSCAPE = image_uri(500, 400, 11)  # resize to 420x336, crop columns
+IMG_IDENTITY = image_uri(336, 336, 12)  # no resize, no crop
+IMG_PORTRAIT = image_uri(200, 600, 13, "JPEG")  # resize to 336x1008, crop rows
+IMG_SMALL = image_uri(150, 120, 14)  # upscale, then crop
 
 CHATS = [
     # 0: one image, then text.
-    [{"role": "user", "content": [_part(IMG_LANDSCAPE), {"type": "text", "text": "What is in this image?"}]}],
+    [{"role": "user", "content": [image_part(IMG_LANDSCAPE), {"type": "text", "text": "What is in this image?"}]}],
     # 1: two images in one message, interleaved with text (the template puts images first).
     [{"role": "user", "content": [
-        {"type": "text", "text": "Compare the first"}, _part(IMG_IDENTITY),
-        {"type": "text", "text": "with the second"}, _part(IMG_PORTRAIT), {"type": "text", "text": "briefly."}]}],
+        {"type": "text", "text": "Compare the first"}, image_part(IMG_IDENTITY),
+        {"type": "text", "text": "with the second"}, image_part(IMG_PORTRAIT), {"type": "text", "text": "briefly."}]}],
     # 2: two images in different turns: far apart in the prompt.
     [
-        {"role": "user", "content": [{"type": "text", "text": "Look:"}, _part(IMG_PORTRAIT)]},
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, image_part(IMG_PORTRAIT)]},
         {"role": "assistant", "content": "A picture."},
-        {"role": "user", "content": [_part(IMG_SMALL), {"type": "text", "text": "And this one?"}]},
+        {"role": "user", "content": [image_part(IMG_SMALL), {"type": "text", "text": "And this one?"}]},
     ],
     # 3: system message (the template drops its role prefix) and an image-only user turn.
-    [{"role": "system", "content": "Describe images."}, {"role": "user", "content": [_part(IMG_IDENTITY)]}],
+    [{"role": "system", "content": "Describe images."}, {"role": "user", "content": [image_part(IMG_IDENTITY)]}],
     # 4: same text as 0 with a different image: the answer must depend on the pixels.
-    [{"role": "user", "content": [_part(IMG_SMALL), {"type": "text", "text": "What is in this image?"}]}],
+    [{"role": "user", "content": [image_part(IMG_SMALL), {"type": "text", "text": "What is in this image?"}]}],
 ]
 NUM_IMAGES = [1, 2, 2, 1, 1]
 GREEDY = {"temperature": 0.0, "max_tokens": 16}
