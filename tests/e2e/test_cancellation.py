@@ -133,7 +133,9 @@ def test_disconnect_during_preprocessing(app, image_dir, stream):
     idle, and the service stays usable."""
     took = _preprocess_time(app, image_dir)  # also warms up the path
     print(f"a request with four 6000x6000 images takes {took:.2f} s")
-    assert took > 0.8, f"preprocessing too fast ({took:.2f} s) to disconnect during it"
+    # The client leaves a quarter of the way through (at most 0.3 s in): preprocessing must
+    # last long enough for that to be "during" it, with a margin for the ingress's own work.
+    assert took > 0.4, f"preprocessing too fast ({took:.2f} s) to disconnect during it"
     sent = app.engine_info().requests_sent
     sock = _send_raw(app, _images_body(image_dir, stream=stream))
     time.sleep(min(0.3, took / 4))
