@@ -84,3 +84,20 @@ def write_big_jpegs(root, count: int = 4, side: int = 6000) -> None:
     image = Image.fromarray(np.stack([np.add.outer(x, x) / 2, np.add.outer(x, -x) % 256, np.outer(x, x) % 256], -1).astype(np.uint8))
     for i in range(count):
         image.save(root / f"big{i}.jpg", format="JPEG", quality=80 + i)
+
+
+def open_streams_running_in_engine(app, model: str, count: int, max_tokens: int, attempts: int = 4):
+    """Like `open_streams`, but returns only once the engine itself is still generating them.
+
+    The gateway may lag behind a fast engine (on 2 cores it delivers fewer tokens per second
+    than a tiny CPU model makes), so "every stream has its first token" does not mean the
+    engine is still working on them: a fault injected after the engine finished would only
+    interrupt a backlog. Try again until the engine reports work in progress.
+    """
+    for _ in range(attempts):
+        threads, results = open_streams(app, model, count, max_tokens=max_tokens)
+        if app.engine_utility("has_work") and not any(results):
+            return threads, results
+        for t in threads:
+            t.join(timeout=120)
+    raise AssertionError(f"the engine finished {count} streams of {max_tokens} tokens before a fault could be injected")
