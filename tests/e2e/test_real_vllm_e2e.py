@@ -178,17 +178,21 @@ def test_bad_requests_leave_the_engine_serving(vllm_app, greedy_reference):
 def test_client_disconnect_leaves_no_running_request(vllm_app):
     import httpx
 
-    with httpx.stream(
-        "POST", vllm_app.app.base_url + "/v1/chat/completions",
-        json={"model": vllm_app.model_name, "messages": CHATS[0], "max_tokens": 900, "ignore_eos": True, "stream": True},
-        timeout=120,
-    ) as resp:
-        lines = resp.iter_lines()
-        for _ in range(4):
-            next(lines)
-        assert vllm_app.app.engine_utility("has_work") is True
-    deadline = time.monotonic() + 5
+    body = {"model": vllm_app.model_name, "messages": CHATS[0], "max_tokens": 900, "ignore_eos": True, "stream": True}
+    # The tiny CPU model can outrun the gateway's delivery: only a disconnect while the engine
+    # itself is still generating proves anything, so retry until that is the case.
+    for _ in range(4):
+        with httpx.stream("POST", vllm_app.app.base_url + "/v1/chat/completions", json=body, timeout=120) as resp:
+            assert resp.status_code == 200, resp.read()
+            next(resp.iter_lines())  # the first chunk arrives with the first token
+            engine_busy = vllm_app.app.engine_utility("has_work")
+        if engine_busy:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the engine always finished before the client could leave")
+    left_at = time.monotonic()
     while vllm_app.app.engine_utility("has_work"):
-        assert time.monotonic() < deadline, "the engine still runs the request 5 s after the client left"
-        time.sleep(0.1)
+        assert time.monotonic() - left_at < 1.0, "the engine still runs the request 1 s after the client left"
+        time.sleep(0.05)
     assert vllm_app.app.engine_info().num_in_flight == 0
