@@ -14,10 +14,11 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 from jinja2 import TemplateError
 
 from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError, PromptAccepted
@@ -534,7 +535,6 @@ class OpenAIServer:
 
     async def _chat_stream(self, request: ChatCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
         with_ids = bool(request.return_token_ids)
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None, first: bool = False) -> str:
             body = ChatCompletionChunk(
@@ -543,32 +543,53 @@ class OpenAIServer:
             )
             return _sse(body.model_dump_json(exclude_none=True))
 
-        completion_tokens = 0
-        deltas = self._merged_deltas(prepared)
-        # Wait for the first output before the first chunk, outside the SSE error handling:
-        # errors found until then (bad images, no engine) become HTTP errors (see `_started`).
-        first_delta = await anext(deltas, None)
-        try:
-            # First chunk of every choice announces the role, as OpenAI and vLLM do.
-            yield chunk(
+        def delta_chunk(delta: ChoiceDelta) -> str:
+            return chunk([
+                ChatCompletionStreamChoice(
+                    index=delta.index,
+                    delta=DeltaMessage(content=delta.text),
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                    token_ids=delta.token_ids if with_ids else None,
+                )
+            ])
+
+        # First chunk of every choice announces the role, as OpenAI and vLLM do.
+        def opening() -> str:
+            return chunk(
                 [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(prepared.n)],
                 first=True,
             )
+
+        async for event in self._sse_stream(request, prepared, delta_chunk, lambda usage: chunk([], usage=usage), opening):
+            yield event
+
+    async def _sse_stream(
+        self,
+        request: SamplingRequestFields,
+        prepared: PreparedRequest,
+        delta_chunk: Callable[[ChoiceDelta], str],
+        usage_chunk: Callable[[UsageInfo], str],
+        opening: Callable[[], str] | None = None,
+    ) -> AsyncIterator[str]:
+        """The SSE event stream shared by chat and text completions: deltas, usage, [DONE]."""
+        with_ids = bool(request.return_token_ids)
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        completion_tokens = 0
+        deltas = self._merged_deltas(prepared)
+        # Wait for the first output before the first event, outside the SSE error handling:
+        # errors found until then (bad images, no engine) become HTTP errors (see `_started`).
+        first_delta = await anext(deltas, None)
+        try:
+            if opening is not None:
+                yield opening()
             async for delta in _prepend(first_delta, deltas):
                 completion_tokens += len(delta.token_ids)
                 if not delta.text and delta.finish_reason is None and not (with_ids and delta.token_ids):
                     continue
-                yield chunk([
-                    ChatCompletionStreamChoice(
-                        index=delta.index,
-                        delta=DeltaMessage(content=delta.text),
-                        finish_reason=delta.finish_reason,
-                        stop_reason=delta.stop_reason,
-                        token_ids=delta.token_ids if with_ids else None,
-                    )
-                ])
+                yield delta_chunk(delta)
             if include_usage:
-                yield chunk([], usage=self._usage(prepared, completion_tokens))
+                yield usage_chunk(self._usage(prepared, completion_tokens))
         except OpenAIError as exc:
             yield _sse(exc.body().model_dump_json())
         yield "data: [DONE]\n\n"
@@ -595,34 +616,25 @@ class OpenAIServer:
 
     async def _completion_stream(self, request: CompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
         with_ids = bool(request.return_token_ids)
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        completion_tokens = 0
         sent_prompt_ids: set[int] = set()
-        deltas = self._merged_deltas(prepared)
-        first_delta = await anext(deltas, None)  # errors before the first output: HTTP errors
-        try:
-            async for delta in _prepend(first_delta, deltas):
-                completion_tokens += len(delta.token_ids)
-                if not delta.text and delta.finish_reason is None and not (with_ids and delta.token_ids):
-                    continue
-                first = delta.index not in sent_prompt_ids
-                sent_prompt_ids.add(delta.index)
-                body = CompletionChunk(
-                    id=prepared.request_id, created=prepared.created, model=self.model_name,
-                    choices=[CompletionChoice(
-                        index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-                        token_ids=delta.token_ids if with_ids else None,
-                        prompt_token_ids=prepared.prompt_token_ids if (with_ids and first) else None,
-                    )],
-                )
-                yield _sse(body.model_dump_json(exclude_none=True))
-            if include_usage:
-                body = CompletionChunk(id=prepared.request_id, created=prepared.created, model=self.model_name, choices=[],
-                                       usage=self._usage(prepared, completion_tokens))
-                yield _sse(body.model_dump_json(exclude_none=True))
-        except OpenAIError as exc:
-            yield _sse(exc.body().model_dump_json())
-        yield "data: [DONE]\n\n"
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            body = CompletionChunk(
+                id=prepared.request_id, created=prepared.created, model=self.model_name, choices=choices, usage=usage
+            )
+            return _sse(body.model_dump_json(exclude_none=True))
+
+        def delta_chunk(delta: ChoiceDelta) -> str:
+            first = delta.index not in sent_prompt_ids
+            sent_prompt_ids.add(delta.index)
+            return chunk([CompletionChoice(
+                index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                token_ids=delta.token_ids if with_ids else None,
+                prompt_token_ids=prepared.prompt_token_ids if (with_ids and first) else None,
+            )])
+
+        async for event in self._sse_stream(request, prepared, delta_chunk, lambda usage: chunk([], usage=usage)):
+            yield event
 
 
 def _sse(payload: str) -> str:
@@ -630,8 +642,6 @@ def _sse(payload: str) -> str:
 
 
 def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:
-    import msgspec
-
     return msgspec.structs.replace(sampling, seed=seed)
 
 
