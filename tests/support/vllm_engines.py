@@ -44,6 +44,18 @@ def _vllm_cli() -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
+def _serve_argv(model_dir: str | Path, max_model_len: int, dtype: str) -> list[str]:
+    """`vllm serve MODEL` with the engine settings every test and benchmark engine shares
+    (the same as the offline reference's, so that outputs are comparable)."""
+    return _vllm_cli() + [
+        "serve", str(model_dir),
+        "--max-model-len", str(max_model_len),
+        "--enforce-eager",
+        "--dtype", dtype,
+        "--seed", "0",
+    ]
+
+
 class _VllmProcess:
     """A vLLM command line in its own process group, logging to a file."""
 
@@ -171,21 +183,12 @@ class HeadlessVllmEngine(_VllmProcess):
         self.address = address
         self.port = port
         self.handshake_address = f"tcp://{address}:{port}"
-        argv = _vllm_cli() + [
-            "serve",
-            str(model_dir),
+        argv = _serve_argv(model_dir, max_model_len, dtype) + [
             "--headless",
             "--data-parallel-address",
             address,
             "--data-parallel-rpc-port",
             str(port),
-            "--max-model-len",
-            str(max_model_len),
-            "--enforce-eager",
-            "--dtype",
-            dtype,
-            "--seed",
-            "0",
             *extra_args,
         ]
         super().__init__(argv, log_path=log_path, env=env)
@@ -211,21 +214,7 @@ class VllmApiServer(_VllmProcess):
         self.host = host
         self.port = port or free_tcp_port(host)
         self.base_url = f"http://{host}:{self.port}"
-        argv = _vllm_cli() + [
-            "serve",
-            str(model_dir),
-            "--host",
-            host,
-            "--port",
-            str(self.port),
-            "--max-model-len",
-            str(max_model_len),
-            "--enforce-eager",
-            "--dtype",
-            dtype,
-            "--seed",
-            "0",
-        ]
+        argv = _serve_argv(model_dir, max_model_len, dtype) + ["--host", host, "--port", str(self.port)]
         if served_model_name:
             argv += ["--served-model-name", served_model_name]
         argv += list(extra_args)
