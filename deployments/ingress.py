@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
 from serve_app.errors import OpenAIError, bad_request
+from serve_app.intake import BodyCaps, BudgetLease, ByteBudget, CountLimits, ShapeChecker, read_body, scan_data_uris
 from serve_app.observability import Metrics, RequestRecord
 from serve_app.openai_serving import OpenAIServer
 from serve_app.schemas import ChatCompletionRequest, CompletionRequest
@@ -76,6 +77,10 @@ class Ingress:
         )
         self.metrics = Metrics()
         self.server = OpenAIServer(self.config, self.router, self.metrics)
+        limits = self.config.limits
+        self.body_caps = BodyCaps.from_config(self.config, images_allowed=self.server.image_family is not None)
+        self.budget = ByteBudget(limits.ingress_body_budget_bytes, limits.small_request_bytes)
+        self.shapes = ShapeChecker(CountLimits.from_config(self.config))
         key = self.config.api_key or os.environ.get("MMSERVE_API_KEY") or None
         self._api_key = key.encode() if key else None
         logger.info(
@@ -91,18 +96,14 @@ class Ingress:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key):
             raise OpenAIError("Invalid or missing API key (send `Authorization: Bearer <key>`)", status=401, code="invalid_api_key")
 
-    async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
-        limit = self.config.limits.max_request_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise OpenAIError(f"request body exceeds {limit} bytes", status=413)
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise OpenAIError(f"request body exceeds {limit} bytes", status=413)
+    async def _parse(self, request: Request, model: type[BaseModel], chat: bool, lease: BudgetLease) -> Any:
+        """Body → request model, each size rule checked before the step it protects (intake.py)."""
+        body = await read_body(request.stream(), request.headers.get("content-length"), self.body_caps, chat, lease)
+        if chat:
+            scan_data_uris(body, self.body_caps)
+        self.shapes.check(body, chat)
         try:
-            return model.model_validate_json(bytes(body))
+            return model.model_validate_json(body)
         except ValidationError as exc:
             message, param = _validation_message(exc)
             raise bad_request(message, param) from None
@@ -110,10 +111,11 @@ class Ingress:
     async def _serve(self, request: Request, endpoint: str, model: type[BaseModel], call) -> Any:
         """Authorize, parse, run; record the outcome for metrics and the request's log line."""
         record = RequestRecord(endpoint)
+        record.lease = self.budget.lease()
         self.metrics.in_flight.inc()
         try:
             self._authorize(request)
-            body = await self._parse(request, model)
+            body = await self._parse(request, model, endpoint == "chat", record.lease)
             record.stream = bool(getattr(body, "stream", False))
             result = await call(body, record)
         except OpenAIError as exc:
@@ -144,6 +146,8 @@ class Ingress:
             self._finish(record)
 
     def _finish(self, record: RequestRecord) -> None:
+        if record.lease is not None:
+            record.lease.release()
         self.metrics.in_flight.dec()
         self.metrics.observe_finished(record)
 

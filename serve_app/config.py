@@ -76,13 +76,27 @@ class LimitsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_request_bytes: int = 32 * 1024 * 1024
+    # Bodies without images, and the bytes outside image data URIs of any body. A context of
+    # 128 k tokens is ≈0.5 MB of text; 4 MiB leaves room for JSON escapes and long tokens.
+    # Bodies with images may add images.max_images_per_request base64-encoded images.
+    max_request_bytes: int = 4 * 1024 * 1024
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_string_chars: int = 512
     # None: the engine's max_model_len from its handshake.
     max_prompt_tokens: int | None = None
+    # Counts checked while the body is decoded, before pydantic builds anything.
     max_messages: int = 1024
+    max_content_parts: int = 256
+    max_tools: int = 128
+    # Characters of text in a prompt, checked before templating and tokenization. None: the
+    # engine's max_model_len × the longest token's characters (more cannot fit the context).
+    max_prompt_chars: int | None = None
+    # Per ingress replica: bytes of large request bodies in flight, counted twice (the body and
+    # its parsed form). Beyond: 503 with Retry-After for new large bodies; bodies up to
+    # small_request_bytes always pass.
+    ingress_body_budget_bytes: int = 256 * 1024 * 1024
+    small_request_bytes: int = 64 * 1024
     # Engine requests in flight per engine (children of n > 1 count one each); beyond: 429.
     max_in_flight_per_engine: int = 1024
     # HTTP requests waiting for an ingress replica; beyond: 503 from the Serve proxy.

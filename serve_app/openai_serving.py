@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -40,6 +41,7 @@ from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, Samp
 from . import validation
 from .config import AppConfig
 from .errors import OpenAIError, bad_request
+from .intake import text_chars
 from .observability import Metrics, RequestRecord
 from .schemas import (
     ChatMessage,
@@ -61,6 +63,12 @@ from .schemas import (
 )
 
 logger = logging.getLogger("ray.serve")
+
+# Prompts with at least this many characters of text are templated and tokenized off the
+# event loop (≈1 µs per character: 32 k characters block the loop for ≈30 ms).
+PROMPT_INLINE_CHARS = 32 * 1024
+# Worker threads for long prompts, per ingress replica; more would only compete for the cores.
+PROMPT_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,10 @@ class OpenAIServer:
         placeholders = self.image_family.chat_placeholders if self.image_family else None
         self.chat_template = load_chat_template(self.model_files, placeholders) if placeholders else load_chat_template(self.model_files)
         self.model_name = config.model_name
+        # Upper bound of the characters one token covers (byte-level BPE vocab strings have one
+        # character per byte; SentencePiece's have one per character).
+        self.longest_token_chars = max(len(t) for t in self.tokenizer.backend.get_vocab(with_added_tokens=True))
+        self._prompt_pool = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="mmserve-prompt")
 
     # ------------------------------------------------------------------ endpoints
 
@@ -156,22 +168,32 @@ class OpenAIServer:
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         self._check_model(request.model)
         validation.check_chat_request(request)
-        try:
-            prompt_text = self.chat_template.render(
-                [_to_text_message(m) for m in request.messages],
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-            )
-        except (ValueError, TemplateError) as exc:
-            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+        if len(request.messages) > self.config.limits.max_messages:  # also checked while decoding (intake.py)
+            raise bad_request(f"at most {self.config.limits.max_messages} messages are allowed (limits.max_messages)", "messages")
         image_urls = self._image_urls(request)
-        # vLLM's chat path tokenizes the rendered template without adding special tokens.
-        # Each image is ONE placeholder token here; the engine client expands it once the
-        # preprocessor has measured the image, so tokenization never waits for pixels.
-        prompt_ids = self.tokenizer.encode(prompt_text, add_special_tokens=False)
+        limits = await self._engine_limits()
+        chars = sum(text_chars(m.content) for m in request.messages)
+        self._check_prompt_chars(chars, limits, "messages")
+        text_messages = [_to_text_message(m) for m in request.messages]
+
+        def render_and_tokenize() -> list[int]:
+            try:
+                prompt_text = self.chat_template.render(
+                    text_messages,
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
+                )
+            except (ValueError, TemplateError) as exc:
+                raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+            # vLLM's chat path tokenizes the rendered template without adding special tokens.
+            # Each image is ONE placeholder token here; the engine client expands it once the
+            # preprocessor has measured the image, so tokenization never waits for pixels.
+            return self._encode(prompt_text, add_special_tokens=False)
+
+        prompt_ids = await self._prompt_work(render_and_tokenize, chars)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         prepared = await self._prepare(
-            request, prompt_ids, max_tokens, "chatcmpl", self._structured_outputs(request), num_images=len(image_urls)
+            request, prompt_ids, max_tokens, "chatcmpl", self._structured_outputs(request), limits, num_images=len(image_urls)
         )
         self._attach(prepared, record, num_images=len(image_urls))
         if image_urls:
@@ -229,14 +251,19 @@ class OpenAIServer:
             raise bad_request("batched prompts are not supported; send one prompt per request", "prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a one-element batch
+        limits = await self._engine_limits()
         if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            self._check_prompt_chars(len(prompt), limits, "prompt")
+            text = prompt
+            prompt_ids = await self._prompt_work(lambda: self._encode(text, add_special_tokens=True), len(text))
         else:
             prompt_ids = list(prompt)
+            if len(prompt_ids) >= limits.max_model_len:
+                self._context_exceeded(limits.max_model_len, len(prompt_ids), "prompt")
             validation.check_token_ids(prompt_ids, self.tokenizer.max_token_id, "prompt")
         if not prompt_ids:
             raise bad_request("the prompt is empty", "prompt")
-        prepared = await self._prepare(request, prompt_ids, request.max_tokens, "cmpl", self._structured_outputs(request))
+        prepared = await self._prepare(request, prompt_ids, request.max_tokens, "cmpl", self._structured_outputs(request), limits)
         self._attach(prepared, record)
         if request.stream:
             return await self._started(self._completion_stream(request, prepared))
@@ -251,6 +278,57 @@ class OpenAIServer:
         prepared.record.request_id = prepared.request_id
         prepared.record.prompt_tokens = len(prepared.prompt_token_ids)
         prepared.record.num_images = num_images
+
+    async def _engine_limits(self) -> EngineLimits:
+        try:
+            return await self.router.limits()
+        except EngineNotReadyError as exc:
+            raise OpenAIError(f"no engine is ready: {exc}", status=503, retry_after_s=5) from None
+        except EngineError as exc:
+            raise OpenAIError(f"no engine is available: {exc}", status=503, retry_after_s=5) from None
+
+    @staticmethod
+    def _context_exceeded(max_model_len: int, prompt_len: int, param: str) -> None:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+            f"contains {prompt_len} input tokens, which leaves no room for any output tokens. "
+            "Please reduce the length of the input prompt.",
+            param,
+            "context_length_exceeded",
+        )
+
+    def max_prompt_chars(self, limits: EngineLimits) -> int:
+        """More characters than this cannot fit the context: every token covers at most
+        `longest_token_chars` of them (see `limits.max_prompt_chars`)."""
+        configured = self.config.limits.max_prompt_chars
+        if configured is not None:
+            return configured
+        max_tokens = min(limits.max_model_len, self.config.limits.max_prompt_tokens or limits.max_model_len)
+        return max_tokens * self.longest_token_chars
+
+    def _check_prompt_chars(self, chars: int, limits: EngineLimits, param: str) -> None:
+        """Refuse a prompt by its length in characters, before templating and tokenizing it."""
+        limit = self.max_prompt_chars(limits)
+        if chars > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limits.max_model_len} tokens. However, your prompt "
+                f"has {chars} characters of text, more than can fit in that context ({limit}). "
+                "Please reduce the length of the input prompt.",
+                param,
+                "context_length_exceeded",
+            )
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch releases the GIL while it works (encode does not): other requests on
+        # the event loop keep running while a long prompt is tokenized in a worker thread.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+    async def _prompt_work(self, work: Callable[[], list[int]], chars: int) -> list[int]:
+        """Template rendering and tokenization: inline for short prompts (a thread hop costs
+        more than the work), in the bounded prompt pool for long ones."""
+        if chars < PROMPT_INLINE_CHARS:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, work)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -270,25 +348,14 @@ class OpenAIServer:
         max_tokens: int | None,
         id_prefix: str,
         structured: StructuredOutputsParams | None,
+        limits: EngineLimits,
         num_images: int = 0,
     ) -> PreparedRequest:
-        try:
-            limits = await self.router.limits()
-        except EngineNotReadyError as exc:
-            raise OpenAIError(f"no engine is ready: {exc}", status=503, retry_after_s=5) from None
-        except EngineError as exc:
-            raise OpenAIError(f"no engine is available: {exc}", status=503, retry_after_s=5) from None
         max_model_len = limits.max_model_len
         prompt_len = len(prompt_ids)
         max_prompt = self.config.limits.max_prompt_tokens or max_model_len
         if prompt_len >= min(max_model_len, max_prompt + 1):
-            raise bad_request(
-                f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-                f"contains {prompt_len} input tokens, which leaves no room for any output tokens. "
-                "Please reduce the length of the input prompt.",
-                "messages" if id_prefix == "chatcmpl" else "prompt",
-                "context_length_exceeded",
-            )
+            self._context_exceeded(max_model_len, prompt_len, "messages" if id_prefix == "chatcmpl" else "prompt")
         defaults = self.model_files.generation_config.sampling_defaults
         # With images the final prompt length is known only after preprocessing: the engine
         # client completes these checks (and the max_tokens default) for image requests.

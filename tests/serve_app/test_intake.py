@@ -1,0 +1,188 @@
+"""Request intake: byte caps, the byte budget, the data-URI scan and the count checks, refused
+before the step they protect (plain classes, no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from serve_app.config import AppConfig
+from serve_app.errors import OpenAIError
+from serve_app.intake import (
+    BodyCaps,
+    ByteBudget,
+    CountLimits,
+    ShapeChecker,
+    base64_chars,
+    read_body,
+    scan_data_uris,
+)
+
+MiB = 1024 * 1024
+
+
+def _config(**limits) -> AppConfig:
+    return AppConfig.model_validate({"limits": limits, "images": {"max_images_per_request": 2, "max_image_bytes": MiB}})
+
+
+def _caps(images_allowed: bool = True, **limits) -> BodyCaps:
+    return BodyCaps.from_config(_config(max_request_bytes=64 * 1024, **limits), images_allowed)
+
+
+async def _chunks(body: bytes, size: int = 8192):
+    for i in range(0, len(body), size):
+        yield body[i : i + size]
+
+
+def _read(body: bytes, caps: BodyCaps, *, images_route=True, declared: str | None = "auto", budget=None):
+    budget = budget or ByteBudget(256 * MiB, 1024)
+    if declared == "auto":
+        declared = str(len(body))
+    lease = budget.lease()
+    return asyncio.run(read_body(_chunks(body), declared, caps, images_route, lease)), lease
+
+
+def _status(exc_info) -> int:
+    return exc_info.value.status
+
+
+def test_caps_follow_the_configuration():
+    caps = _caps()
+    assert caps.text_bytes == 64 * 1024
+    assert caps.max_data_uri_chars >= base64_chars(MiB)
+    assert caps.cap(images=False) == 64 * 1024
+    assert caps.cap(images=True) > 64 * 1024 + 2 * base64_chars(MiB)
+    assert _caps(images_allowed=False).cap(images=True) == 64 * 1024
+
+
+def test_declared_length_past_the_cap_is_refused_before_reading():
+    caps = _caps()
+    read = []
+
+    async def never():
+        read.append(1)
+        yield b"x"
+
+    with pytest.raises(OpenAIError) as exc:
+        asyncio.run(read_body(never(), str(10 * MiB), caps, True, ByteBudget(256 * MiB, 1024).lease()))
+    assert _status(exc) == 413 and exc.value.code == "request_too_large"
+    assert read == []  # not one chunk was read
+
+
+def test_streamed_text_body_past_the_text_cap_is_refused_even_without_content_length():
+    body = json.dumps({"messages": [{"role": "user", "content": "a" * 100_000}]}).encode()
+    with pytest.raises(OpenAIError) as exc:
+        _read(body, _caps(), declared=None)
+    assert _status(exc) == 413
+    # The same size on the completions route (no image allowance).
+    with pytest.raises(OpenAIError):
+        _read(body, _caps(), images_route=False, declared=None)
+
+
+def test_body_with_an_image_may_exceed_the_text_cap_but_not_outside_its_images():
+    image = "data:image/png;base64," + "A" * 200_000
+    ok = json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "hi"}]}]}).encode()
+    body, _ = _read(ok, _caps(), declared=None)
+    assert len(scan_data_uris(body, _caps())) == 1
+    # 200 kB of text next to the image: refused by the scan, before any parsing.
+    padded = json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "b" * 200_000}]}]}).encode()
+    body, _ = _read(padded, _caps())
+    with pytest.raises(OpenAIError) as exc:
+        scan_data_uris(body, _caps())
+    assert _status(exc) == 413
+
+
+def test_data_uri_scan_refuses_too_many_and_too_long_images_before_decoding():
+    caps = _caps()
+    part = lambda n: {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * n}}  # noqa: E731
+    three = json.dumps({"messages": [{"role": "user", "content": [part(8), part(8), part(8)]}]}).encode()
+    with pytest.raises(OpenAIError) as exc:
+        scan_data_uris(three, caps)
+    assert exc.value.code == "too_many_images" and exc.value.param == "messages"
+    big = json.dumps({"messages": [{"role": "user", "content": [part(caps.max_data_uri_chars + 4)]}]}).encode()
+    with pytest.raises(OpenAIError) as exc:
+        scan_data_uris(big, caps)
+    assert exc.value.status == 400 and exc.value.code == "image_too_large"
+
+
+def test_escaped_strings_are_never_exempt_from_the_text_cap():
+    # A "data:" string with escapes could hide JSON structure; it counts as text.
+    sneaky = b'{"x": {"url": "data:' + b'\\"' * 40_000 + b'"}}'
+    with pytest.raises(OpenAIError) as exc:
+        scan_data_uris(sneaky, _caps())
+    assert exc.value.status == 413
+
+
+def test_budget_refuses_large_bodies_past_it_and_always_admits_small_ones():
+    budget = ByteBudget(limit_bytes=10 * MiB, small_bytes=64 * 1024)
+    first = budget.lease()
+    first.reserve(4 * MiB)  # charged twice: 8 MiB
+    second = budget.lease()
+    with pytest.raises(OpenAIError) as exc:
+        second.reserve(2 * MiB)
+    assert exc.value.status == 503 and exc.value.retry_after_s and exc.value.code == "server_busy"
+    small = budget.lease()
+    small.reserve(32 * 1024)  # passes although the budget is full
+    first.release()
+    second.reserve(2 * MiB)
+    small.release(), second.release()
+    assert budget.used == 0 and budget.refused == 1
+
+
+def test_declared_length_is_admitted_by_the_budget_before_the_body_is_read():
+    budget = ByteBudget(limit_bytes=1 * MiB, small_bytes=1024)
+    caps = BodyCaps.from_config(_config(max_request_bytes=4 * MiB), True)
+    with pytest.raises(OpenAIError) as exc:
+        _read(b"x" * 700_000, caps, budget=budget)
+    assert exc.value.status == 503 and budget.used == 0
+
+
+def _checker(**kw) -> ShapeChecker:
+    limits = dict(max_messages=4, max_content_parts=3, max_stop_strings=2, max_stop_string_chars=5, max_tools=1)
+    limits.update(kw)
+    return ShapeChecker(CountLimits(**limits))
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": [{"role": "user", "content": "a"}] * 5}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 4}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": "a"}], "stop": ["a", "b", "c"]}, "stop"),
+        ({"messages": [{"role": "user", "content": "a"}], "stop": ["abcdef"]}, "stop"),
+        ({"messages": [{"role": "user", "content": "a"}], "tools": [{}, {}]}, "tools"),
+    ],
+)
+def test_counts_are_refused_while_decoding(body, param):
+    with pytest.raises(OpenAIError) as exc:
+        _checker().check(json.dumps(body).encode(), chat=True)
+    assert exc.value.status == 400 and exc.value.param == param, exc.value.message
+
+
+def test_shape_check_leaves_type_errors_to_pydantic_and_refuses_malformed_json():
+    _checker().check(b'{"messages": 5, "stop": 7}', chat=True)  # no count exceeded: pydantic's turn
+    _checker().check(b'{"prompt": "x", "stop": "abcdefgh"}', chat=False)  # a single stop string: checked later
+    with pytest.raises(OpenAIError) as exc:
+        _checker().check(b'{"messages": [', chat=True)
+    assert exc.value.status == 400 and "Invalid JSON" in exc.value.message
+
+
+def test_a_million_messages_are_refused_cheaply():
+    import time
+
+    body = json.dumps({"messages": [{"role": "user", "content": "a"}] * 1_000_000}).encode()
+    started = time.process_time()
+    with pytest.raises(OpenAIError) as exc:
+        _checker(max_messages=1024).check(body, chat=True)
+    # Not a timing claim (see bench/): only that no pydantic model was built for them.
+    assert exc.value.param == "messages", time.process_time() - started
+
+
+def test_deep_nesting_is_a_400_not_a_crash():
+    with pytest.raises(OpenAIError) as exc:
+        _checker().check(b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", chat=True)
+    assert exc.value.status == 400
