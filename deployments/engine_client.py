@@ -18,11 +18,11 @@ import msgspec
 from ray import serve
 
 from mmserve.builtin_engine.launcher import BuiltinEngineProcess
-from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineOverloadedError, EngineState, PromptAccepted, admit
-from mmserve.engine.memory import FrameTrace
-from mmserve.multimodal import ProcessedImages
-from mmserve.wire import EngineCoreOutput, EngineCoreRequest
-from mmserve.wire.codec import encode_output_batch
+from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineOverloadedError, EngineState, InvalidRequestError, admit
+from mmserve.engine.frame_diagnostics import FrameTrace
+from mmserve.multimodal import PlaceholderMismatch, ProcessedImages, attach_images
+from mmserve.protocol import EngineEvent, PromptAccepted, encode_event
+from mmserve.wire import EngineCoreRequest
 from serve_app.config import AppConfig, EngineEndpoint
 
 logger = logging.getLogger("ray.serve")
@@ -86,7 +86,7 @@ class EngineClientServer:
 
     async def generate(
         self, request: EngineCoreRequest, images: ProcessedImages | None = None
-    ) -> AsyncIterator[PromptAccepted | list[EngineCoreOutput]]:
+    ) -> AsyncIterator[EngineEvent]:
         """Stream the request's outputs. With images (resolved by Ray from the preprocessor's
         response, zero-copy), expand their placeholders first and announce the final prompt."""
         ready = await self.client.wait_ready(self.config.engine_wait_timeout_s)
@@ -94,10 +94,16 @@ class EngineClientServer:
         if self.client.num_in_flight >= limit:
             raise EngineOverloadedError(f"the engine has {limit} requests in flight; retry shortly")
         if images is not None:
-            request = admit(request, ready.max_model_len, images)
-            yield PromptAccepted(request.prompt_token_ids or [], len(images.images), images.preprocess_ms)
+            try:
+                request = attach_images(request, images)
+            except PlaceholderMismatch as exc:
+                raise InvalidRequestError(str(exc), "messages") from None
+            # Checked before the prompt is announced (the engine client checks again on send).
+            request = admit(request, ready.max_model_len)
+            accepted = PromptAccepted(request.prompt_token_ids or [], len(images.images), images.preprocess_ms)
+            yield EngineEvent(accepted=accepted)
         async for batch in self.client.generate(request):
-            yield batch
+            yield EngineEvent(outputs=batch)
 
     async def info(self) -> EngineInfo:
         ready = self.client.ready
@@ -211,9 +217,9 @@ class EngineClientDeployment:
 
     async def generate(
         self, request: EngineCoreRequest, images: ProcessedImages | None = None, caller: str | None = None
-    ) -> AsyncIterator[PromptAccepted | bytes]:
-        """Output batches travel to the ingress msgpack-encoded: Ray moves bytes without
-        pickling them, which is most of the per-token cost of a stream (see bench/RESULTS.md).
+    ) -> AsyncIterator[bytes]:
+        """Events travel to the ingress msgpack-encoded (`mmserve.protocol`): Ray moves bytes
+        without pickling them, which is most of the per-token cost of a stream.
 
         `caller`: the calling replica's actor name; if that replica dies, the request is
         cancelled (and so aborted in the engine) instead of running on for nobody.
@@ -223,7 +229,7 @@ class EngineClientDeployment:
             self._callers.add(caller, task)
         try:
             async for item in self.server.generate(request, images):
-                yield item if isinstance(item, PromptAccepted) else encode_output_batch(item)
+                yield encode_event(item)
         finally:
             if caller and task is not None:
                 self._callers.discard(caller, task)

@@ -17,10 +17,10 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError, PromptAccepted
+from mmserve.engine import EngineDeadError, EngineNotReadyError, InvalidRequestError
 from mmserve.multimodal import ImageBatchRequest
-from mmserve.wire import EngineCoreOutput, EngineCoreRequest
-from mmserve.wire.codec import decode_output_batch
+from mmserve.protocol import EngineEvent, GatewayBusyError, decode_event
+from mmserve.wire import EngineCoreRequest
 from serve_app.openai_serving import EngineLimits
 
 from .engine_client import EngineInfo
@@ -115,7 +115,7 @@ class EngineHandleRouter:
 
     async def generate(
         self, request: EngineCoreRequest, images: "PendingImages | DeploymentResponse | None" = None
-    ) -> AsyncIterator[PromptAccepted | list[EngineCoreOutput]]:
+    ) -> AsyncIterator[EngineEvent]:
         """Stream the request from the least-loaded ready engine.
 
         Until the first output a failure is retried once where that is safe: an engine found
@@ -137,9 +137,10 @@ class EngineHandleRouter:
             retry: BaseException | None = None
             try:
                 async for item in response:
-                    if not isinstance(item, PromptAccepted):
+                    event = decode_event(item)
+                    if event.accepted is None:
                         produced = True
-                    yield decode_output_batch(item) if isinstance(item, bytes) else item
+                    yield event
                 finished = True
                 return
             except (EngineDeadError, EngineNotReadyError) as exc:
@@ -148,13 +149,13 @@ class EngineHandleRouter:
                     raise
                 retry = exc
             except BackPressureError:
-                raise EngineOverloadedError("the gateway is at capacity; retry shortly", status=503) from None
+                raise GatewayBusyError("the gateway is at capacity; retry shortly") from None
             except Exception as exc:
                 # Errors raised by a deployment this call depended on (the preprocessor) arrive
                 # wrapped once per hop; hand the caller the original, typed error.
                 inner = _unwrap(exc)
                 if isinstance(inner, BackPressureError):
-                    raise EngineOverloadedError("the image preprocessing queue is full; retry shortly", status=503) from None
+                    raise GatewayBusyError("the image preprocessing queue is full; retry shortly") from None
                 if not isinstance(inner, (RayError, RayServeException)):
                     raise inner from None
                 # A replica died under this request (the preprocessor's or an engine client's).
@@ -168,8 +169,7 @@ class EngineHandleRouter:
                     tried.discard(index)
                     retry = inner
                 elif isinstance(images, PendingImages):
-                    raise EngineOverloadedError(
-                        f"image preprocessing failed: {_describe(inner)}; retry shortly", status=503) from None
+                    raise GatewayBusyError(f"image preprocessing failed: {_describe(inner)}; retry shortly") from None
                 elif len(self._handles) > 1:
                     retry = inner
                 else:

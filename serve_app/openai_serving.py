@@ -22,7 +22,8 @@ from typing import Protocol
 import msgspec
 from jinja2 import TemplateError
 
-from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError, PromptAccepted
+from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
+from mmserve.protocol import EngineEvent, GatewayBusyError
 from mmserve.multimodal import ImageBatchRequest, PixelMode, load_image_family
 from mmserve.multimodal.errors import ImageInputError
 from mmserve.text import (
@@ -36,7 +37,7 @@ from mmserve.text import (
     load_chat_template,
     resolve_stop_token_ids,
 )
-from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams, StructuredOutputsParams
+from mmserve.wire import EngineCoreRequest, FinishReason, SamplingParams, StructuredOutputsParams
 
 from . import validation
 from .config import AppConfig
@@ -87,7 +88,7 @@ class EngineRouter(Protocol):
 
     def generate(
         self, request: EngineCoreRequest, images: object | None = None
-    ) -> AsyncIterator[PromptAccepted | list[EngineCoreOutput]]: ...
+    ) -> AsyncIterator[EngineEvent]: ...
 
     def preprocess(self, request: ImageBatchRequest) -> object:
         """Start preprocessing; returns an opaque handle to pass to `generate` (never awaited here)."""
@@ -460,16 +461,16 @@ class OpenAIServer:
         emitted_ids = 0
         engine_stream = self.router.generate(self._engine_request(prepared, index), prepared.images)
         try:
-            async for batch in engine_stream:
-                if isinstance(batch, PromptAccepted):
+            async for event in engine_stream:
+                if (accepted := event.accepted) is not None:
                     # Image placeholders expanded by the engine client: the prompt as the engine has it.
-                    prepared.prompt_token_ids = batch.prompt_token_ids
-                    prepared.record.prompt_tokens = len(batch.prompt_token_ids)
-                    prepared.record.preprocess_ms = batch.preprocess_ms
+                    prepared.prompt_token_ids = accepted.prompt_token_ids
+                    prepared.record.prompt_tokens = len(accepted.prompt_token_ids)
+                    prepared.record.preprocess_ms = accepted.preprocess_ms
                     continue
                 if seq is None:
                     seq = self._sequence_text(prepared)
-                for output in batch:
+                for output in event.outputs:
                     finish = output.finish_reason
                     if finish is FinishReason.ERROR:
                         raise OpenAIError("the engine failed to process the request", status=500)
@@ -486,8 +487,8 @@ class OpenAIServer:
                     if finish_reason is not None:
                         return
             raise OpenAIError("the engine stream ended without finishing the request", status=500)
-        except EngineOverloadedError as exc:
-            raise OpenAIError(str(exc), status=exc.status, retry_after_s=exc.retry_after_s) from None
+        except (EngineOverloadedError, GatewayBusyError) as exc:  # one engine full: 429; the gateway's queues: 503
+            raise OpenAIError(str(exc), status=503 if isinstance(exc, GatewayBusyError) else 429, retry_after_s=exc.retry_after_s) from None
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param) from None
         except ImageInputError as exc:

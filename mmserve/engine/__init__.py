@@ -1,11 +1,14 @@
-"""Engine client: the front-end of one vLLM engine over the EngineCore ZMQ protocol."""
+"""Engine client: the front-end of one vLLM engine over the EngineCore ZMQ protocol.
+
+Imports only `mmserve.wire` (plus pyzmq, msgspec, numpy): no image or text stack.
+"""
 
 from .client import EngineClient, EngineClientConfig, EngineState
-from .errors import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, EngineRequestError, EngineVersionError
-from .guard import InvalidRequestError, PromptAccepted, admit
+from .errors import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, EngineVersionError
+from .guard import InvalidRequestError, admit
 from .transport import EngineAddresses
 
 __all__ = [
     "EngineAddresses", "EngineClient", "EngineClientConfig", "EngineDeadError", "EngineError",
-    "EngineNotReadyError", "EngineOverloadedError", "EngineRequestError", "InvalidRequestError", "PromptAccepted", "admit", "EngineState", "EngineVersionError",
+    "EngineNotReadyError", "EngineOverloadedError", "EngineState", "EngineVersionError", "InvalidRequestError", "admit",
 ]

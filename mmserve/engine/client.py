@@ -29,8 +29,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ..wire import EngineCoreOutput, EngineCoreRequest, EngineDeadMessage, OutputDecoder, ReadyResponse, RequestEncoder, SchedulerStats
 from .errors import EngineDeadError, EngineError, EngineNotReadyError
+from .frame_diagnostics import FrameTrace
 from .guard import InvalidRequestError, admit
-from .memory import FrameTrace
 from .transport import EngineAddresses, EngineTransport
 
 logger = logging.getLogger(__name__)
@@ -45,14 +45,17 @@ class EngineState(enum.Enum):
 
 @dataclass(frozen=True)
 class EngineClientConfig:
+    """How one engine client waits and watches. The timeouts have no defaults here: the
+    application's config (`serve_app.config.AppConfig`) is their one home."""
+
     addresses: EngineAddresses
     # vLLM loads the model before it answers; a large model can take minutes.
-    handshake_timeout_s: float = 900.0
-    health_check_interval_s: float = 1.0
+    handshake_timeout_s: float
+    health_check_interval_s: float
     # A utility call unanswered this long marks the engine hung. The engine answers between
     # model steps, so this must exceed the longest step (a long prefill on a big model).
-    health_check_timeout_s: float = 10.0
-    # Keep the memory locations of the last N zero-copy frames sent (0 = off; diagnostics).
+    health_check_timeout_s: float
+    # Diagnostics: keep the memory locations of the last N zero-copy frames sent (0 = off).
     trace_frames: int = 0
 
 
@@ -98,7 +101,7 @@ class EngineClient:
         if self._transport is None:
             self._transport = EngineTransport(self.config.addresses)
             if self.config.trace_frames:
-                self._transport.frame_observer = self._trace_frame
+                self._transport.frame_observer = lambda array, frame: self.frame_traces.append(FrameTrace.of(array, frame))
             self.handshake_address = self._transport.handshake_address
             self.input_address = self._transport.input_address
             self.output_address = self._transport.output_address
@@ -155,9 +158,6 @@ class EngineClient:
             await asyncio.gather(self._release_task, return_exceptions=True)
         if self._transport is not None:
             self._transport.close()
-
-    def _trace_frame(self, array, frame: zmq.Frame) -> None:
-        self.frame_traces.append(FrameTrace.of(array, frame))
 
     @property
     def num_in_flight(self) -> int:

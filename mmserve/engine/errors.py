@@ -1,4 +1,4 @@
-"""Errors an engine client raises to its callers."""
+"""Errors an engine client raises to its callers (the layer above maps them to HTTP)."""
 
 
 class EngineError(Exception):
@@ -17,14 +17,9 @@ class EngineVersionError(EngineError):
     """The engine speaks a vLLM version whose wire format we do not mirror."""
 
 
-class EngineRequestError(EngineError):
-    """The engine finished a request with an error (FinishReason.ERROR)."""
-
-
 class EngineOverloadedError(EngineError):
-    """Too much work queued: the client should retry later (429 or 503 with Retry-After)."""
+    """This engine has too many requests in flight: the caller should retry after `retry_after_s`."""
 
-    def __init__(self, message: str, *, status: int = 429, retry_after_s: int = 1) -> None:
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
         super().__init__(message)
-        self.status = status
         self.retry_after_s = retry_after_s

@@ -1,52 +1,33 @@
-"""The last check before an ADD leaves for the engine.
+"""The last check before an ADD leaves for the engine: `admit` and `InvalidRequestError`.
 
 vLLM's engine trusts its front-end: a prompt longer than the context, an inconsistent
 multimodal placeholder or a duplicate request id kills the whole engine process (all of them
 measured on vLLM 0.32). Every path to the engine goes through `admit`, so nothing reaches it
-unchecked, whatever the caller validated before.
+unchecked, whatever the caller validated before. It reads only wire structs: image
+placeholders are expanded before this, with the images (`mmserve.multimodal.features`).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from ..multimodal import PlaceholderMismatch, ProcessedImages, check_features, expand_image_placeholders
-from ..wire import EngineCoreRequest
+from ..wire import EngineCoreRequest, MultiModalFeatureSpec
 from .errors import EngineError
 
 
-class PromptAccepted(msgspec.Struct, frozen=True):
-    """First item of an image request's output stream: the prompt as sent to the engine
-    (placeholders expanded), which the ingress needs for usage and detokenization."""
-
-    prompt_token_ids: list[int]
-    num_images: int = 0
-    # Time the preprocessing tier spent on this request's images.
-    preprocess_ms: float = 0.0
-
-
 class InvalidRequestError(EngineError, ValueError):
-    """The request would fail (or crash) the engine; the client gets a 400."""
+    """The request would fail (or crash) the engine: the client's mistake (`param` names the field)."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
 
 
-def admit(request: EngineCoreRequest, max_model_len: int, images: ProcessedImages | None = None) -> EngineCoreRequest:
-    """Expand image placeholders, fill `max_tokens` if unset, and check everything vLLM would."""
+def admit(request: EngineCoreRequest, max_model_len: int) -> EngineCoreRequest:
+    """Fill `max_tokens` if unset, and check everything vLLM would die on."""
     prompt = request.prompt_token_ids or []
-    features = request.mm_features
-    if images is not None:
-        try:
-            prompt, features = expand_image_placeholders(prompt, images)
-        except PlaceholderMismatch as exc:
-            raise InvalidRequestError(str(exc), "messages") from None
-    elif features:
-        try:
-            check_features(prompt, features, _pad_of(features, prompt))
-        except PlaceholderMismatch as exc:
-            raise InvalidRequestError(str(exc), "messages") from None
+    if request.mm_features:
+        check_features(prompt, request.mm_features)
     if not prompt:
         raise InvalidRequestError("the prompt is empty", "messages")
     if len(prompt) >= max_model_len:
@@ -73,15 +54,35 @@ def admit(request: EngineCoreRequest, max_model_len: int, images: ProcessedImage
         raise InvalidRequestError(f"min_tokens ({sampling.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
     if sampling.n != 1:
         raise InvalidRequestError("the engine takes n=1 requests; the front-end fans out n > 1")
-    if max_tokens != sampling.max_tokens:
-        sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
-    if prompt is request.prompt_token_ids and sampling is request.sampling_params:
+    if max_tokens == sampling.max_tokens:
         return request
-    return msgspec.structs.replace(request, prompt_token_ids=prompt, mm_features=features, sampling_params=sampling)
+    return msgspec.structs.replace(request, sampling_params=msgspec.structs.replace(sampling, max_tokens=max_tokens))
 
 
-def _pad_of(features, prompt: list[int]) -> int:
+def check_features(prompt_token_ids: list[int], features: list[MultiModalFeatureSpec]) -> None:
+    """Placeholder ranges in bounds, ordered, non-overlapping, covering only the placeholder token
+    (the one the first range starts on), none outside them, and every tensor's byte size equal
+    to shape × itemsize."""
     first = features[0].mm_position
-    if not 0 <= first.offset < len(prompt):
-        raise PlaceholderMismatch("image placeholder range is out of bounds")
-    return prompt[first.offset]
+    if not 0 <= first.offset < len(prompt_token_ids):
+        raise InvalidRequestError("image placeholder range is out of bounds", "messages")
+    pad = prompt_token_ids[first.offset]
+    end_of_previous = 0
+    for feature in features:
+        rng = feature.mm_position
+        if rng.offset < end_of_previous or rng.length < 1 or rng.offset + rng.length > len(prompt_token_ids):
+            raise InvalidRequestError(f"image placeholder range {rng.offset}+{rng.length} is out of bounds or overlaps", "messages")
+        if any(t != pad for t in prompt_token_ids[rng.offset : rng.offset + rng.length]):
+            raise InvalidRequestError("an image placeholder range covers non-placeholder tokens", "messages")
+        end_of_previous = rng.offset + rng.length
+        for name, elem in (feature.data or {}).items():
+            tensor = elem.data
+            if tensor is None:
+                continue
+            expected = tensor.array.itemsize
+            for dim in tensor.shape:
+                expected *= dim
+            if tensor.array.nbytes != expected:
+                raise InvalidRequestError(f"tensor {name} has {tensor.array.nbytes} bytes, expected {expected}", "messages")
+    if sum(t == pad for t in prompt_token_ids) != sum(f.mm_position.length for f in features):
+        raise InvalidRequestError("the prompt has image placeholder tokens outside the images' ranges", "messages")

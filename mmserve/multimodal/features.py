@@ -1,14 +1,16 @@
-"""Turning processed images into the engine request's `mm_features` (engine-client side).
+"""Placeholder expansion: processed images into the engine request's prompt and `mm_features`.
 
 The ingress tokenizes the prompt with ONE placeholder token per image (so tokenization never
-waits for pixels); here each is expanded to the image's token count, `mm_position` is set at
-its first token, and everything is checked against the prompt before anything is sent. A
-mismatch here would otherwise reach the engine, where vLLM treats it as fatal.
+waits for pixels); the engine-client tier expands each here to the image's token count, with
+`mm_position` at its first token. The engine client's `admit` then checks the result against
+the prompt before anything is sent (vLLM treats a mismatch as fatal).
 """
 
 from __future__ import annotations
 
-from ..wire import BatchedField, FieldElem, FlatField, MultiModalFeatureSpec, PlaceholderRange, WireTensor
+import msgspec
+
+from ..wire import BatchedField, EngineCoreRequest, FieldElem, FlatField, MultiModalFeatureSpec, PlaceholderRange, WireTensor
 from .types import ImageField, ProcessedImages
 
 
@@ -54,29 +56,10 @@ def expand_image_placeholders(
             )
         )
     expanded.extend(prompt_token_ids[start:])
-    check_features(expanded, features, pad)
     return expanded, features
 
 
-def check_features(prompt_token_ids: list[int], features: list[MultiModalFeatureSpec], pad: int) -> None:
-    """The final guard: ranges in bounds, ordered, non-overlapping, covering only pad tokens,
-    and every tensor's byte size equal to shape × itemsize."""
-    end_of_previous = 0
-    for feature in features:
-        rng = feature.mm_position
-        if rng.offset < end_of_previous or rng.length < 1 or rng.offset + rng.length > len(prompt_token_ids):
-            raise PlaceholderMismatch(f"image placeholder range {rng.offset}+{rng.length} is out of bounds or overlaps")
-        if any(t != pad for t in prompt_token_ids[rng.offset : rng.offset + rng.length]):
-            raise PlaceholderMismatch("an image placeholder range covers non-placeholder tokens")
-        end_of_previous = rng.offset + rng.length
-        for name, elem in (feature.data or {}).items():
-            tensor = elem.data
-            if tensor is None:
-                continue
-            expected = tensor.array.itemsize
-            for dim in tensor.shape:
-                expected *= dim
-            if tensor.array.nbytes != expected:
-                raise PlaceholderMismatch(f"tensor {name} has {tensor.array.nbytes} bytes, expected {expected}")
-    if sum(t == pad for t in prompt_token_ids) != sum(f.mm_position.length for f in features):
-        raise PlaceholderMismatch("the prompt has image placeholder tokens outside the images' ranges")
+def attach_images(request: EngineCoreRequest, images: ProcessedImages) -> EngineCoreRequest:
+    """`request` with its image placeholders expanded and its `mm_features` set."""
+    prompt, features = expand_image_placeholders(request.prompt_token_ids or [], images)
+    return msgspec.structs.replace(request, prompt_token_ids=prompt, mm_features=features)

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .engine_core import ENGINE_CORE_DEAD, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestType
+from .engine_core import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest, RequestType
 from .handshake import EngineStatusMessage, HandshakeInit, ReadyResponse
 from .multimodal import BatchedField, FieldElem, FlatField, SharedField, WireTensor
 
@@ -119,16 +119,3 @@ def decode_ready_response(data: bytes) -> ReadyResponse:
 def encode_handshake_init(init: HandshakeInit) -> bytes:
     return msgspec.msgpack.encode(init)
 
-
-# Output batches between the gateway's own processes (engine client → ingress): msgpack bytes
-# move through Ray without pickling, which dominates the cost of a per-token stream.
-_batch_encoder = msgspec.msgpack.Encoder()
-_batch_decoder = msgspec.msgpack.Decoder(list[EngineCoreOutput])
-
-
-def encode_output_batch(outputs: list[EngineCoreOutput]) -> bytes:
-    return _batch_encoder.encode(outputs)
-
-
-def decode_output_batch(data: bytes) -> list[EngineCoreOutput]:
-    return _batch_decoder.decode(data)

@@ -57,7 +57,9 @@ class Engine:
     def __init__(self, *, step_ms: float = 1.0, max_num_seqs: int = 256, env: dict | None = None) -> None:
         self.handshake = f"tcp://127.0.0.1:{free_port()}"
         self.client = EngineClient(
-            EngineClientConfig(EngineAddresses(self.handshake), handshake_timeout_s=60, health_check_interval_s=0.5)
+            EngineClientConfig(
+                EngineAddresses(self.handshake), handshake_timeout_s=60, health_check_interval_s=0.5, health_check_timeout_s=10
+            )
         )
         self.client.bind()
         cmd = builtin_engine_command(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmserve.engine.memory import resident_pages
+from tests.support.page_tables import resident_pages
 from mmserve.multimodal import load_image_family
 from serve_app.config import BUILTIN_MODEL_DIR
 from tests.conftest import deploy_app

@@ -1,12 +1,12 @@
-"""Placeholder expansion and the checks that keep inconsistent features away from the engine."""
+"""Placeholder expansion: each image's one placeholder token becomes its token range and feature spec."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mmserve.multimodal import ImageField, PlaceholderMismatch, ProcessedImage, ProcessedImages, expand_image_placeholders
-from mmserve.multimodal.features import check_features
+from mmserve.multimodal import ImageField, PlaceholderMismatch, ProcessedImage, ProcessedImages, attach_images, expand_image_placeholders
+from mmserve.wire import EngineCoreRequest, SamplingParams
 
 PAD = 99
 
@@ -40,15 +40,16 @@ def test_placeholder_count_must_match_images(prompt):
         expand_image_placeholders(prompt, images)
 
 
-def test_checks_refuse_out_of_bounds_overlap_and_wrong_tokens():
+def test_attach_images_sets_the_expanded_prompt_and_features():
     images = ProcessedImages([_image(2, "a")], placeholder_token_id=PAD, family="qwen2_vl")
-    prompt, features = expand_image_placeholders([1, PAD, 2], images)
-    check_features(prompt, features, PAD)
-    with pytest.raises(PlaceholderMismatch):
-        check_features(prompt[:2], features, PAD)  # range runs past the end
-    with pytest.raises(PlaceholderMismatch):
-        check_features([1, PAD, 5, 2], features, PAD)  # covers a non-placeholder token
-    with pytest.raises(PlaceholderMismatch):
-        check_features(prompt + [PAD], features, PAD)  # a stray placeholder outside every range
-    with pytest.raises(PlaceholderMismatch):
-        check_features(prompt, features + features, PAD)  # overlapping ranges
+    request = EngineCoreRequest("r", [1, PAD, 2], None, SamplingParams(max_tokens=3), None, 0.0, None, None, None)
+    attached = attach_images(request, images)
+    assert attached.prompt_token_ids == [1, PAD, PAD, 2]
+    assert [(f.mm_position.offset, f.mm_position.length) for f in attached.mm_features] == [(1, 2)]
+    assert attached.sampling_params == request.sampling_params
+
+
+def test_an_image_takes_at_least_one_token():
+    images = ProcessedImages([_image(0, "a")], placeholder_token_id=PAD, family="qwen2_vl")
+    with pytest.raises(PlaceholderMismatch, match="at least one token"):
+        expand_image_placeholders([1, PAD], images)

@@ -21,8 +21,9 @@ from PIL import Image
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from mmserve.engine import admit  # noqa: E402
-from mmserve.multimodal import ImageBatchRequest, load_image_family  # noqa: E402
+from mmserve.multimodal import ImageBatchRequest, attach_images, load_image_family  # noqa: E402
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits  # noqa: E402
+from mmserve.protocol import EngineEvent  # noqa: E402
 from mmserve.vision.fetch import FetchPolicy  # noqa: E402
 from mmserve.wire import EngineCoreOutput, FinishReason, OutputDecoder, RequestEncoder  # noqa: E402
 from serve_app.config import BUILTIN_MODEL_DIR, AppConfig  # noqa: E402
@@ -58,9 +59,11 @@ class CapturingRouter:
 
     async def generate(self, request, images=None):
         processed = await self.preprocessor.process(images) if images is not None else None
-        admitted = admit(request, MAX_MODEL_LEN, processed)
+        if processed is not None:
+            request = attach_images(request, processed)
+        admitted = admit(request, MAX_MODEL_LEN)
         self.requests.append(admitted)
-        yield [EngineCoreOutput(admitted.request_id, [5], finish_reason=FinishReason.LENGTH)]
+        yield EngineEvent(outputs=[EngineCoreOutput(admitted.request_id, [5], finish_reason=FinishReason.LENGTH)])
 
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]

@@ -1,0 +1,51 @@
+"""The gateway's own inter-tier protocol: what the engine-client deployment streams to the ingress over Ray.
+
+Not vLLM's wire (that is `mmserve/wire`, which mirrors vLLM only). An engine request's stream is a
+sequence of `EngineEvent`s, msgpack-encoded: Ray moves bytes without pickling them, which is most
+of the per-token cost of a stream (see bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .wire import EngineCoreOutput
+
+
+class PromptAccepted(msgspec.Struct, frozen=True):
+    """The prompt as sent to the engine (image placeholders expanded), which the ingress needs
+    for usage and detokenization."""
+
+    prompt_token_ids: list[int]
+    num_images: int = 0
+    # Time the preprocessing tier spent on this request's images.
+    preprocess_ms: float = 0.0
+
+
+class EngineEvent(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One item of an engine request's stream: the accepted prompt (first, image requests only)
+    or a batch of the engine's outputs, in arrival order."""
+
+    outputs: list[EngineCoreOutput] = []
+    accepted: PromptAccepted | None = None
+
+
+class GatewayBusyError(Exception):
+    """A tier between the ingress and the engines is full (Serve back-pressure, the preprocessing
+    queue) or lost the request before any output: the caller should retry shortly."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+_event_encoder = msgspec.msgpack.Encoder()
+_event_decoder = msgspec.msgpack.Decoder(EngineEvent)
+
+
+def encode_event(event: EngineEvent) -> bytes:
+    return _event_encoder.encode(event)
+
+
+def decode_event(data: bytes) -> EngineEvent:
+    return _event_decoder.decode(data)
