@@ -15,7 +15,7 @@ from ray import serve
 from mmserve.multimodal import ImageBatchRequest, ProcessedImages, load_image_family
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
 from mmserve.vision import ImageLimits, pillow_simd_active
-from mmserve.vision.fetch import FetchPolicy
+from mmserve.fetch import FetchPolicy
 from serve_app.config import AppConfig, ImagesConfig
 
 logger = logging.getLogger("ray.serve")

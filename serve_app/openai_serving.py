@@ -27,12 +27,12 @@ from mmserve.protocol import EngineEvent, GatewayBusyError
 from mmserve.multimodal import ImageBatchRequest, PixelMode, load_image_family
 from mmserve.multimodal.errors import ImageInputError
 from mmserve.text import (
-    ChatMessage as TextChatMessage,
+    ConversationMessage as TextChatMessage,
     IncrementalDetokenizer,
-    MediaPart,
+    MediaContent as MediaPart,
     ModelFiles,
     SequenceText,
-    TextPart as TextContentPart,
+    TextContent as TextContentPart,
     Tokenizer,
     load_chat_template,
     resolve_stop_token_ids,

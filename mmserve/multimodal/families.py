@@ -6,7 +6,6 @@ small class here plus its pixel module in `mmserve.vision`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -14,7 +13,8 @@ from typing import Protocol
 import numpy as np
 from PIL import Image
 
-from ..text import MediaPlaceholders, ModelFiles
+from ..model_files import ModelFiles
+from ..text import MediaPlaceholders
 from ..vision import LlavaSettings, PixelDtype, Qwen2VLSettings
 from .types import ImageField, PixelMode, ProcessedImage
 
@@ -115,8 +115,7 @@ def load_image_family(model_dir: str | Path) -> ImageFamily | None:
     """The image family of a model directory, or None for a text-only model."""
     root = Path(model_dir)
     files = ModelFiles.load(root)
-    config = json.loads((root / "config.json").read_text()) if (root / "config.json").is_file() else {}
-    model_type = config.get("model_type")
+    model_type = files.model_config.model_type
     preprocessor = root / "preprocessor_config.json"
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
         token = files.model_config.token_id("image_token_id")
@@ -127,6 +126,6 @@ def load_image_family(model_dir: str | Path) -> ImageFamily | None:
         token = files.model_config.token_id("image_token_index") or files.model_config.token_id("image_token_id")
         if token is None:
             raise UnsupportedImageFamily("config.json names no image_token_index")
-        patch = int(config.get("vision_config", {}).get("patch_size", 14))
+        patch = files.model_config.vision_patch_size or 14
         return LlavaFamily(LlavaSettings.from_file(preprocessor, patch_size=patch), token)
     return None

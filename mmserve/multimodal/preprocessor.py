@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..vision import ImageError, ImageLimits, PixelDtype, decode_image, read_header
-from ..vision.fetch import FetchError, FetchPolicy, fetch_image_bytes
+from ..fetch import FetchError, FetchPolicy, fetch_image_bytes
 from .errors import ImageInputError
 from .families import ImageFamily, pixel_dtype_for
 from .types import ImageBatchRequest, PixelMode, ProcessedImage, ProcessedImages

@@ -1,37 +1,36 @@
-"""Text layer of the gateway: model-dir files, tokenizer, chat templates,
-incremental detokenization and stop conditions, all matching vLLM's OpenAI
-server byte for byte (without importing vllm/torch/transformers)."""
+"""Text layer of the gateway: tokenizer, chat templates, incremental detokenization and stop
+conditions, all matching vLLM's OpenAI server byte for byte (without importing
+vllm/torch/transformers). The model directory's files are read by `mmserve.model_files`."""
 
-from .chat_template import (
-    ChatMessage,
-    ChatTemplate,
+from ..model_files import ModelFiles
+from .chat_template import ChatTemplate, load_chat_template
+from .conversation import (
     ContentFormat,
     ContentPart,
-    MediaPart,
+    ConversationMessage,
+    MediaContent,
     MediaPlaceholders,
-    TextPart,
+    TextContent,
     ToolCall,
-    detect_content_format,
-    load_chat_template,
     to_conversation,
 )
 from .detokenizer import IncrementalDetokenizer
-from .model_files import ModelFiles
 from .stop import SequenceText, StopTokenIds, check_stop_strings, resolve_stop_token_ids, stop_token_reason
+from .template_env import detect_content_format
 from .tokenizer import Tokenizer
 
 __all__ = [
-    "ChatMessage",
     "ChatTemplate",
     "ContentFormat",
     "ContentPart",
+    "ConversationMessage",
     "IncrementalDetokenizer",
-    "MediaPart",
+    "MediaContent",
     "MediaPlaceholders",
     "ModelFiles",
     "SequenceText",
     "StopTokenIds",
-    "TextPart",
+    "TextContent",
     "Tokenizer",
     "ToolCall",
     "check_stop_strings",

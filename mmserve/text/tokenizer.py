@@ -24,7 +24,7 @@ from pathlib import Path
 
 import tokenizers
 
-from .model_files import ModelFiles, TokenizerConfig
+from ..model_files import ModelFiles, TokenizerConfig
 
 
 class Tokenizer:

@@ -13,7 +13,7 @@ from PIL import Image
 from mmserve.multimodal import ImageBatchRequest, PixelMode, load_image_family
 from mmserve.multimodal.errors import ImageInputError
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
-from mmserve.vision.fetch import FetchPolicy
+from mmserve.fetch import FetchPolicy
 from serve_app.config import BUILTIN_MODEL_DIR
 
 

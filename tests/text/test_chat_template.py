@@ -11,54 +11,54 @@ from typing import Any
 import pytest
 
 from mmserve.text import (
-    ChatMessage,
-    MediaPart,
+    ConversationMessage,
+    MediaContent,
     MediaPlaceholders,
     ModelFiles,
-    TextPart,
+    TextContent,
     Tokenizer,
     ToolCall,
     detect_content_format,
     load_chat_template,
 )
 
-IMG = MediaPart("image")
-VID = MediaPart("video")
+IMG = MediaContent("image")
+VID = MediaContent("video")
 
-CONVERSATIONS: dict[str, list[ChatMessage]] = {
-    "single_user_default_system": [ChatMessage("user", "Hello there!")],
-    "system_prompt": [ChatMessage("system", "You are terse."), ChatMessage("user", "Say hi")],
+CONVERSATIONS: dict[str, list[ConversationMessage]] = {
+    "single_user_default_system": [ConversationMessage("user", "Hello there!")],
+    "system_prompt": [ConversationMessage("system", "You are terse."), ConversationMessage("user", "Say hi")],
     "multi_turn": [
-        ChatMessage("system", "Be nice."),
-        ChatMessage("user", "What is 2+2?"),
-        ChatMessage("assistant", "4"),
-        ChatMessage("user", "And 3+3?"),
-        ChatMessage("assistant", "6"),
-        ChatMessage("user", "Thanks"),
+        ConversationMessage("system", "Be nice."),
+        ConversationMessage("user", "What is 2+2?"),
+        ConversationMessage("assistant", "4"),
+        ConversationMessage("user", "And 3+3?"),
+        ConversationMessage("assistant", "6"),
+        ConversationMessage("user", "Thanks"),
     ],
-    "unicode": [ChatMessage("user", "你好，世界！😀🎉 Ünïcödé café — こんにちは 🇫🇷\n\tend")],
-    "text_parts": [ChatMessage("user", [TextPart("first part"), TextPart("second part"), TextPart("")])],
+    "unicode": [ConversationMessage("user", "你好，世界！😀🎉 Ünïcödé café — こんにちは 🇫🇷\n\tend")],
+    "text_parts": [ConversationMessage("user", [TextContent("first part"), TextContent("second part"), TextContent("")])],
     "image_parts": [
-        ChatMessage("user", [TextPart("Look:"), IMG, TextPart("and this"), IMG, TextPart("what differs?")])
+        ConversationMessage("user", [TextContent("Look:"), IMG, TextContent("and this"), IMG, TextContent("what differs?")])
     ],
-    "image_only": [ChatMessage("user", [IMG])],
-    "video_and_image": [ChatMessage("user", [VID, TextPart("describe"), IMG])],
-    "empty_content": [ChatMessage("user", "")],
-    "empty_list_content": [ChatMessage("system", "sys"), ChatMessage("user", [])],
+    "image_only": [ConversationMessage("user", [IMG])],
+    "video_and_image": [ConversationMessage("user", [VID, TextContent("describe"), IMG])],
+    "empty_content": [ConversationMessage("user", "")],
+    "empty_list_content": [ConversationMessage("system", "sys"), ConversationMessage("user", [])],
     "assistant_tool_calls": [
-        ChatMessage("user", "weather?"),
-        ChatMessage("assistant", None, tool_calls=(ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)),
-        ChatMessage("tool", [TextPart("sunny"), TextPart("22C")], tool_call_id="call_1"),
-        ChatMessage("user", "thanks"),
+        ConversationMessage("user", "weather?"),
+        ConversationMessage("assistant", None, tool_calls=(ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)),
+        ConversationMessage("tool", [TextContent("sunny"), TextContent("22C")], tool_call_id="call_1"),
+        ConversationMessage("user", "thanks"),
     ],
     "developer_role": [
-        ChatMessage("user", "hi"),
-        ChatMessage("developer", "Answer in French."),
-        ChatMessage("system", "Be brief."),
-        ChatMessage("user", "ok"),
+        ConversationMessage("user", "hi"),
+        ConversationMessage("developer", "Answer in French."),
+        ConversationMessage("system", "Be brief."),
+        ConversationMessage("user", "ok"),
     ],
-    "named_user": [ChatMessage("user", "hi", name="bob"), ChatMessage("assistant", "yo", reasoning="thinking")],
-    "billing_header": [ChatMessage("system", "x-anthropic-billing-header: cch=123\nReal system"), ChatMessage("user", "q")],
+    "named_user": [ConversationMessage("user", "hi", name="bob"), ConversationMessage("assistant", "yo", reasoning="thinking")],
+    "billing_header": [ConversationMessage("system", "x-anthropic-billing-header: cch=123\nReal system"), ConversationMessage("user", "q")],
 }
 
 # Conversations the llama-style test template (user/assistant alternation, no
@@ -78,14 +78,14 @@ def _placeholders(model_dir: Path) -> MediaPlaceholders:
     return PLACEHOLDERS["llama"] if "llama" in str(model_dir) else PLACEHOLDERS["qwen"]
 
 
-def _to_openai(msg: ChatMessage) -> dict[str, Any]:
+def _to_openai(msg: ConversationMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": msg.role}
     if isinstance(msg.content, str) or msg.content is None:
         out["content"] = msg.content
     else:
         parts: list[dict[str, Any]] = []
         for p in msg.content:
-            if isinstance(p, TextPart):
+            if isinstance(p, TextContent):
                 parts.append({"type": "text", "text": p.text})
             else:
                 key = f"{p.modality}_url"
@@ -137,7 +137,7 @@ class _FakeTracker:
         return _FakeParser(self._placeholders)
 
 
-def _vllm_conversation(messages: list[ChatMessage], content_format: str, placeholders: MediaPlaceholders) -> list:
+def _vllm_conversation(messages: list[ConversationMessage], content_format: str, placeholders: MediaPlaceholders) -> list:
     from vllm.renderers import chat_utils
 
     conversation: list = []
@@ -222,8 +222,8 @@ def test_continue_final_message_matches_transformers(model_dir: Path, hf_tokeniz
     files = ModelFiles.load(model_dir)
     placeholders = _placeholders(model_dir)
     template = load_chat_template(files, placeholders)
-    for last in ("The answer is", "Trailing space ", [TextPart("part one"), TextPart("part two")]):
-        messages = [ChatMessage("user", "Question?"), ChatMessage("assistant", last)]
+    for last in ("The answer is", "Trailing space ", [TextContent("part one"), TextContent("part two")]):
+        messages = [ConversationMessage("user", "Question?"), ConversationMessage("assistant", last)]
         ours = template.render(messages, add_generation_prompt=False, continue_final_message=True)
         conversation = _vllm_conversation(messages, template.content_format, placeholders)
         expected = hf_tokenizer.apply_chat_template(
@@ -235,7 +235,7 @@ def test_continue_final_message_matches_transformers(model_dir: Path, hf_tokeniz
 
 def test_template_kwargs_and_errors(qwen_dir: Path) -> None:
     template = load_chat_template(ModelFiles.load(qwen_dir), PLACEHOLDERS["qwen"])
-    msgs = [ChatMessage("user", [IMG, IMG])]
+    msgs = [ConversationMessage("user", [IMG, IMG])]
     with_ids = template.render(msgs, template_kwargs={"add_vision_id": True, "unknown_var": 1})
     assert "Picture 1: <|vision_start|>" in with_ids and "Picture 2:" in with_ids
     with pytest.raises(ValueError):

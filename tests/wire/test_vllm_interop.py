@@ -24,7 +24,7 @@ from mmserve.engine import admit  # noqa: E402
 from mmserve.multimodal import ImageBatchRequest, attach_images, load_image_family  # noqa: E402
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits  # noqa: E402
 from mmserve.protocol import EngineEvent  # noqa: E402
-from mmserve.vision.fetch import FetchPolicy  # noqa: E402
+from mmserve.fetch import FetchPolicy  # noqa: E402
 from mmserve.wire import EngineCoreOutput, FinishReason, OutputDecoder, RequestEncoder  # noqa: E402
 from serve_app.config import BUILTIN_MODEL_DIR, AppConfig  # noqa: E402
 from serve_app.openai_serving import EngineLimits, OpenAIServer  # noqa: E402

@@ -1,7 +1,7 @@
-"""Typed view of the text-related files of a Hugging Face model directory.
+"""Typed view of a Hugging Face model directory's JSON files: the one place that reads them.
 
-Everything the gateway needs from a model dir is read here once, at startup, so
-that the rest of the text layer works with typed values instead of raw JSON:
+Everything the gateway (and the built-in engine) needs from a model dir is read here once,
+at startup, so that the text, image and engine layers work with typed values, not raw JSON:
 
 * ``tokenizer.json``: the `tokenizers` pipeline (loaded by ``tokenizer.py``).
 * ``tokenizer_config.json``: named special tokens (bos/eos/...), extra special
@@ -11,7 +11,8 @@ that the rest of the text layer works with typed values instead of raw JSON:
   for the priority, which mirrors vLLM + transformers).
 * ``generation_config.json`` (or ``config.json`` as fallback): extra EOS ids and
   the model's default sampling parameters.
-* ``config.json``: model type and special token ids such as ``image_token_id``.
+* ``config.json``: model type, special token ids such as ``image_token_id``, vocabulary
+  size and the vision tower's patch and merge sizes.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class GenerationConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The few config.json values the text/multimodal layers look at."""
+    """The few config.json values the text, image and engine layers look at."""
 
     model_type: str | None = None
     architectures: tuple[str, ...] = ()
@@ -116,6 +117,15 @@ class ModelConfig:
     # text_config (top level wins), e.g. image_token_id, vision_start_token_id.
     token_ids: tuple[tuple[str, int], ...] = ()
     max_position_embeddings: int | None = None
+    vocab_size: int | None = None
+    # vision_config's patch_size and spatial_merge_size (None when absent).
+    vision_patch_size: int | None = None
+    vision_merge_size: int | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        """config.json alone (empty when the directory has none)."""
+        return _parse_model_config(_read_json(Path(path) / "config.json") or {})
 
     def token_id(self, name: str) -> int | None:
         for key, value in self.token_ids:
@@ -316,10 +326,18 @@ def _parse_model_config(raw: dict[str, Any]) -> ModelConfig:
             if (key.endswith("_token_id") or key.endswith("_token_index")) and isinstance(value, int):
                 token_ids.setdefault(key, value)
     text_config = raw.get("text_config") or {}
+    vision_config = raw.get("vision_config") or {}
     max_pos = raw.get("max_position_embeddings", text_config.get("max_position_embeddings"))
     return ModelConfig(
         model_type=raw.get("model_type"),
         architectures=tuple(raw.get("architectures") or ()),
         token_ids=tuple(token_ids.items()),
         max_position_embeddings=max_pos if isinstance(max_pos, int) else None,
+        vocab_size=_int_or_none(raw.get("vocab_size")),
+        vision_patch_size=_int_or_none(vision_config.get("patch_size")),
+        vision_merge_size=_int_or_none(vision_config.get("spatial_merge_size")),
     )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
