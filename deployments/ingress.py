@@ -2,9 +2,14 @@
 
 The request body is read and size-checked before parsing, parsed by pydantic in strict mode
 straight from bytes, and every failure leaves as OpenAI's error JSON.
-"""
 
-from __future__ import annotations
+No `from __future__ import annotations` here: the route annotations must be real objects.
+`@serve.ingress` pickles the FastAPI app by value for its replicas, and a route function pickled
+by value keeps only the globals its code names, so a string annotation such as "Request" cannot
+be resolved there. FastAPI >= 0.137 analyses routes lazily, in the replica, and then asks for a
+query parameter named `request` (422 on every route). tests/deployments/test_ingress_routes.py
+guards this.
+"""
 
 import hmac
 import logging
