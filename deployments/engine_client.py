@@ -18,10 +18,10 @@ import msgspec
 from ray import serve
 
 from mmserve.builtin_engine.launcher import BuiltinEngineProcess
-from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineOverloadedError, EngineState, InvalidRequestError, admit
+from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineState, InvalidRequestError, admit
 from mmserve.engine.frame_diagnostics import FrameTrace
-from mmserve.multimodal import PlaceholderMismatch, ProcessedImages, attach_images
-from mmserve.protocol import EngineEvent, PromptAccepted, encode_event
+from mmserve.multimodal import ImagesRefused, PlaceholderMismatch, ProcessedImages, attach_images
+from mmserve.protocol import EngineEvent, PromptAccepted, RequestRefused, encode_event
 from mmserve.wire import EngineCoreRequest
 from serve_app.config import AppConfig, EngineEndpoint
 
@@ -85,21 +85,30 @@ class EngineClientServer:
         self._start_task.add_done_callback(_log_start_failure)
 
     async def generate(
-        self, request: EngineCoreRequest, images: ProcessedImages | None = None
+        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None = None
     ) -> AsyncIterator[EngineEvent]:
         """Stream the request's outputs. With images (resolved by Ray from the preprocessor's
         response, zero-copy), expand their placeholders first and announce the final prompt."""
         ready = await self.client.wait_ready(self.config.engine_wait_timeout_s)
         limit = self.config.limits.max_in_flight_per_engine
+        # Client-caused refusals are events, not exceptions (see RequestRefused).
         if self.client.num_in_flight >= limit:
-            raise EngineOverloadedError(f"the engine has {limit} requests in flight; retry shortly")
+            yield EngineEvent(refused=RequestRefused("overloaded", f"the engine has {limit} requests in flight; retry shortly"))
+            return
+        if isinstance(images, ImagesRefused):
+            yield EngineEvent(refused=RequestRefused("image", images.message, "messages"))
+            return
         if images is not None:
             try:
                 request = attach_images(request, images)
+                # Checked before the prompt is announced (the engine client checks again on send).
+                request = admit(request, ready.max_model_len)
             except PlaceholderMismatch as exc:
-                raise InvalidRequestError(str(exc), "messages") from None
-            # Checked before the prompt is announced (the engine client checks again on send).
-            request = admit(request, ready.max_model_len)
+                yield EngineEvent(refused=RequestRefused("invalid", str(exc), "messages"))
+                return
+            except InvalidRequestError as exc:
+                yield EngineEvent(refused=RequestRefused("invalid", str(exc), exc.param))
+                return
             accepted = PromptAccepted(request.prompt_token_ids or [], len(images.images), images.preprocess_ms)
             yield EngineEvent(accepted=accepted)
         async for batch in self.client.generate(request):
@@ -216,7 +225,7 @@ class EngineClientDeployment:
         await self.server.start()
 
     async def generate(
-        self, request: EngineCoreRequest, images: ProcessedImages | None = None, caller: str | None = None
+        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None = None, caller: str | None = None
     ) -> AsyncIterator[bytes]:
         """Events travel to the ingress msgpack-encoded (`mmserve.protocol`): Ray moves bytes
         without pickling them, which is most of the per-token cost of a stream.

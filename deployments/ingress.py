@@ -11,6 +11,7 @@ query parameter named `request` (422 on every route). tests/deployments/test_ing
 guards this.
 """
 
+import asyncio
 import hmac
 import logging
 import os
@@ -27,7 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.config import AppConfig
 from serve_app.errors import OpenAIError, bad_request
 from serve_app.intake import BodyCaps, BudgetLease, ByteBudget, CountLimits, ShapeChecker, read_body, scan_data_uris
-from serve_app.observability import Metrics, RequestRecord
+from serve_app.observability import CLIENT_CLOSED, Metrics, RequestRecord, send_request_log_to
 from serve_app.openai_serving import OpenAIServer
 from serve_app.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -81,6 +82,7 @@ class Ingress:
             engines, preprocessor=preprocessor, wait_timeout_s=self.config.engine_wait_timeout_s
         )
         self.metrics = Metrics()
+        send_request_log_to(logger)
         self.server = OpenAIServer(self.config, self.router, self.metrics)
         limits = self.config.limits
         self.body_caps = BodyCaps.from_config(self.config, images_allowed=self.server.image_family is not None)
@@ -127,6 +129,11 @@ class Ingress:
             record.status, record.error = exc.status, exc.message
             self._finish(record)
             return _error_response(exc)
+        except asyncio.CancelledError:
+            # The client went away (Serve cancels the handler): not an error of ours.
+            record.status, record.error = CLIENT_CLOSED, "client disconnected"
+            self._finish(record)
+            raise
         except Exception as exc:
             logger.exception("unexpected error while serving a request")
             record.status, record.error = 500, type(exc).__name__
@@ -147,7 +154,7 @@ class Ingress:
             completed = True
         finally:
             if not completed and record.error is None:
-                record.error = "client disconnected"
+                record.status, record.error = CLIENT_CLOSED, "client disconnected"
             self._finish(record)
 
     def _finish(self, record: RequestRecord) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 
 from ray import serve
 
-from mmserve.multimodal import ImageBatchRequest, ProcessedImages, load_image_family
+from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages, load_image_family
+from mmserve.multimodal.errors import ImageInputError
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
 from mmserve.vision import ImageLimits, pillow_simd_active
 from mmserve.fetch import FetchPolicy
@@ -55,8 +56,13 @@ class PreprocessorDeployment:
             "pillow-simd (self-tested)" if pillow_simd_active() else "numpy",
         )
 
-    async def process(self, request: ImageBatchRequest) -> ProcessedImages:
-        return await self.preprocessor.process(request)
+    async def process(self, request: ImageBatchRequest) -> ProcessedImages | ImagesRefused:
+        """A refused image is an answer, not a failure: one INFO line here, a 400 for the client."""
+        try:
+            return await self.preprocessor.process(request)
+        except ImageInputError as exc:
+            logger.info("image refused: %s", str(exc)[:300])
+            return ImagesRefused(str(exc), exc.index)
 
 
 def preprocessor_options(config: AppConfig) -> dict[str, Any]:

@@ -17,9 +17,10 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from mmserve.engine import EngineDeadError, EngineNotReadyError, InvalidRequestError
+from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from mmserve.multimodal import ImageBatchRequest
-from mmserve.protocol import EngineEvent, GatewayBusyError, decode_event
+from mmserve.multimodal.errors import ImageInputError
+from mmserve.protocol import EngineEvent, GatewayBusyError, RequestRefused, decode_event
 from mmserve.wire import EngineCoreRequest
 from serve_app.openai_serving import EngineLimits
 
@@ -138,6 +139,9 @@ class EngineHandleRouter:
             try:
                 async for item in response:
                     event = decode_event(item)
+                    if event.refused is not None:
+                        finished = True
+                        raise _refusal_error(event.refused)
                     if event.accepted is None:
                         produced = True
                     yield event
@@ -194,6 +198,15 @@ class PendingImages:
     def __init__(self, request: ImageBatchRequest, response: DeploymentResponse) -> None:
         self.request = request
         self.response = response
+
+
+def _refusal_error(refusal: RequestRefused) -> Exception:
+    """The typed error a refusal stands for (see `RequestRefused`)."""
+    if refusal.kind == "image":
+        return ImageInputError(refusal.message)  # the message already names the image
+    if refusal.kind == "overloaded":
+        return EngineOverloadedError(refusal.message)
+    return InvalidRequestError(refusal.message, refusal.param)
 
 
 def _describe(exc: BaseException) -> str:

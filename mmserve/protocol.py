@@ -22,12 +22,24 @@ class PromptAccepted(msgspec.Struct, frozen=True):
     preprocess_ms: float = 0.0
 
 
+class RequestRefused(msgspec.Struct, frozen=True):
+    """The request was refused for the client's reasons: a bad image ("image"), a prompt the
+    engine guard refuses ("invalid"), the engine full ("overloaded"). Sent as the stream's only
+    event instead of raised: Serve logs every exception a replica method raises as an ERROR with
+    a traceback, which a client must not be able to cause at will."""
+
+    kind: str
+    message: str
+    param: str | None = None
+
+
 class EngineEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     """One item of an engine request's stream: the accepted prompt (first, image requests only)
-    or a batch of the engine's outputs, in arrival order."""
+    or a batch of the engine's outputs, in arrival order; or, alone, the request's refusal."""
 
     outputs: list[EngineCoreOutput] = []
     accepted: PromptAccepted | None = None
+    refused: RequestRefused | None = None
 
 
 class GatewayBusyError(Exception):

@@ -16,6 +16,24 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 logger = logging.getLogger("mmserve.requests")
 
+# The status recorded for a request whose client went away before its answer (nginx's
+# convention): neither a success nor the server's fault.
+CLIENT_CLOSED = 499
+
+
+def send_request_log_to(serve_logger: logging.Logger) -> None:
+    """Make the per-request lines appear where the replica's own lines go.
+
+    Inside a Ray worker nothing configures `mmserve.requests` (the root logger has no handler
+    at INFO), so its lines were dropped; Serve configures only its own logger, with the handler
+    that writes the replica's log file. Idempotent."""
+    logger.setLevel(logging.INFO)
+    for handler in serve_logger.handlers:
+        if handler not in logger.handlers:
+            logger.addHandler(handler)
+    if serve_logger.handlers:
+        logger.propagate = False
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
@@ -50,7 +68,8 @@ class RequestRecord:
             "endpoint": self.endpoint,
             "stream": self.stream,
             "status": self.status,
-            "outcome": "ok" if self.status < 400 and self.error is None else "error",
+            "outcome": "ok" if self.status < 400 and self.error is None else (
+                "client_closed" if self.status == CLIENT_CLOSED else "error"),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "images": self.num_images,

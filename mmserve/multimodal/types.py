@@ -58,6 +58,15 @@ class ProcessedImage(msgspec.Struct, frozen=True):
     height: int
 
 
+class ImagesRefused(msgspec.Struct, frozen=True):
+    """The preprocessor's answer when an image is the client's mistake (unreachable, not an
+    image, over a limit): returned, not raised, so that no replica logs a client's error as
+    its own failure (an exception crossing a Ray call is logged with a traceback)."""
+
+    message: str
+    index: int | None = None
+
+
 class ProcessedImages(msgspec.Struct, frozen=True):
     """The preprocessor's answer for one request."""
 
