@@ -50,7 +50,7 @@ class ServeRun:
         self.env.pop("RAY_ADDRESS", None)
         self.proc: subprocess.Popen | None = None
 
-    def start(self, ready_timeout_s: float = 180.0) -> "ServeRun":
+    def start(self, ready_timeout_s: float = 300.0) -> "ServeRun":
         serve_cli = Path(sys.executable).with_name("serve")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
