@@ -10,9 +10,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .engine import DEFAULT_MODEL_DIR, VLLM_VERSION, BuiltinEngine, BuiltinEngineConfig
+from .engine import DEFAULT_MODEL_DIR, BuiltinEngine, BuiltinEngineSettings
+from .handshake import VLLM_VERSION
 
-__all__ = ["DEFAULT_MODEL_DIR", "VLLM_VERSION", "BuiltinEngine", "BuiltinEngineConfig", "builtin_engine_command"]
+__all__ = ["DEFAULT_MODEL_DIR", "VLLM_VERSION", "BuiltinEngine", "BuiltinEngineSettings", "builtin_engine_command"]
 
 
 def builtin_engine_command(

@@ -13,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .engine import DEFAULT_MODEL_DIR, BuiltinEngine, BuiltinEngineConfig
+from .engine import DEFAULT_MODEL_DIR, BuiltinEngine, BuiltinEngineSettings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,14 +39,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, engine_class: type[BuiltinEngine] = BuiltinEngine) -> int:
     args = parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s [builtin-engine pid=%(process)d] %(message)s",
     )
-    engine = BuiltinEngine(
-        BuiltinEngineConfig(
+    engine = engine_class(
+        BuiltinEngineSettings(
             handshake_address=args.handshake,
             model_dir=args.model_dir,
             max_model_len=args.max_model_len,

@@ -68,6 +68,21 @@ class _RequestStream:
         self.queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
         self.finished = False
 
+    async def next_batch(self) -> list[EngineCoreOutput]:
+        """Every output queued now (at least one), up to the finishing one; raises a queued error."""
+        item = await self.queue.get()
+        batch: list[EngineCoreOutput] = []
+        while True:
+            if isinstance(item, BaseException):
+                raise item
+            batch.append(item)
+            if item.finished:
+                self.finished = True
+                return batch
+            if self.queue.empty():
+                return batch
+            item = self.queue.get_nowait()
+
 
 class EngineClient:
     def __init__(self, config: EngineClientConfig) -> None:
@@ -182,21 +197,8 @@ class EngineClient:
         try:
             await self._send(self._encoder.encode_add(request))
             self.requests_sent += 1
-            while True:
-                item = await stream.queue.get()
-                batch: list[EngineCoreOutput] = []
-                while True:
-                    if isinstance(item, BaseException):
-                        raise item
-                    batch.append(item)
-                    if item.finished or stream.queue.empty():
-                        break
-                    item = stream.queue.get_nowait()
-                if batch[-1].finished:
-                    stream.finished = True
-                yield batch
-                if stream.finished:
-                    return
+            while not stream.finished:
+                yield await stream.next_batch()
         finally:
             self._streams.pop(request_id, None)
             if not stream.finished and self.state is EngineState.READY:

@@ -36,6 +36,8 @@ from mmserve.wire import (
     WireTensor,
 )
 
+from tests.support.fatal_builtin_engine import fatal_engine_command
+
 MODEL_DIR = DEFAULT_MODEL_DIR
 EOS = 1988  # <|im_end|>
 EOS2 = 1986  # <|endoftext|>, generation_config's second eos
@@ -54,7 +56,7 @@ def free_port() -> int:
 class Engine:
     """An engine subprocess plus the EngineClient it talks to."""
 
-    def __init__(self, *, step_ms: float = 1.0, max_num_seqs: int = 256, env: dict | None = None) -> None:
+    def __init__(self, *, step_ms: float = 1.0, max_num_seqs: int = 256, env: dict | None = None, command=builtin_engine_command) -> None:
         self.handshake = f"tcp://127.0.0.1:{free_port()}"
         self.client = EngineClient(
             EngineClientConfig(
@@ -62,7 +64,7 @@ class Engine:
             )
         )
         self.client.bind()
-        cmd = builtin_engine_command(
+        cmd = command(
             self.handshake, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs, step_interval_ms=step_ms
         )
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
@@ -406,7 +408,7 @@ async def test_sigkill_is_noticed_quickly():
 
 
 async def test_fatal_error_sends_engine_core_dead():
-    eng = await Engine(env={"MMSERVE_BUILTIN_ENGINE_TEST_HOOKS": "1"}).start()
+    eng = await Engine(command=fatal_engine_command).start()
     try:
         gen = eng.client.generate(make_request([1, 2, 3], max_tokens=None, ignore_eos=True))
         await gen.__anext__()
@@ -421,12 +423,20 @@ async def test_fatal_error_sends_engine_core_dead():
         await eng.stop()
 
 
+async def test_the_production_engine_has_no_test_hook():
+    eng = await Engine().start()
+    try:
+        with pytest.raises(EngineError, match="has no attribute 'mmserve_test_fatal'"):
+            await eng.client.call_utility("mmserve_test_fatal", timeout_s=5)
+        assert eng.client.state is EngineState.READY and eng.proc.poll() is None
+    finally:
+        await eng.stop()
+
+
 async def test_fatal_error_frame_on_the_wire():
     handshake = f"tcp://127.0.0.1:{free_port()}"
     transport = EngineTransport(EngineAddresses(handshake))
-    proc = subprocess.Popen(
-        builtin_engine_command(handshake), env={**os.environ, "MMSERVE_BUILTIN_ENGINE_TEST_HOOKS": "1"}
-    )
+    proc = subprocess.Popen(fatal_engine_command(handshake))
     try:
         await transport.handshake(60)
         await transport.send(RequestEncoder().encode_utility(0, 1, "mmserve_test_fatal", []))
@@ -578,9 +588,9 @@ async def test_interop_vllm_encoded_multimodal_request(vllm_codec, tokenizer):
 
 
 def test_ready_response_decodes_as_vllm_struct(vllm_codec):
-    from mmserve.builtin_engine import BuiltinEngine, BuiltinEngineConfig
+    from mmserve.builtin_engine import BuiltinEngine, BuiltinEngineSettings
 
-    eng = BuiltinEngine(BuiltinEngineConfig(handshake_address="tcp://127.0.0.1:1"))
+    eng = BuiltinEngine(BuiltinEngineSettings(handshake_address="tcp://127.0.0.1:1"))
     try:
         payload = msgspec.msgpack.encode(eng._ready_response())
         ready = msgspec.msgpack.decode(payload, type=vllm_codec["EngineCoreReadyResponse"])
