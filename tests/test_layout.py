@@ -1,0 +1,225 @@
+"""The layout rules, read from the source (ast), so that they cannot regress quietly.
+
+- Imports point one way: serve_app → deployments → mmserve packages → mmserve/wire. Nothing
+  below imports anything above; among mmserve's packages only the edges in `MMSERVE_DEPENDS_ON`
+  exist, and the engine client imports no mmserve package but the wire (and no third-party
+  package but pyzmq, msgspec and numpy). Nothing imports vllm, torch or transformers.
+- No module over 400 lines, no class over 250 lines.
+- Every module opens with a docstring whose first line says what it holds.
+
+`UPWARD_IMPORTS` and `OVERSIZED` are today's exceptions, all in the request path that issue 9's
+upper half rewrites. They may only shrink: an entry that no longer applies fails the test, so
+whoever fixes one removes it here too.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PRODUCTION = ("serve_app", "deployments", "mmserve")
+
+# Tiers, top to bottom; a module may import its own tier or any tier below.
+TIERS = {"serve_app": 3, "deployments": 2, "mmserve": 1}
+
+# Which mmserve units (packages, or top-level modules) each may import; none may import itself
+# transitively back. mmserve.wire mirrors vLLM and imports nothing of ours.
+MMSERVE_DEPENDS_ON: dict[str, set[str]] = {
+    "mmserve.wire": set(),
+    "mmserve.model_files": set(),
+    "mmserve.fetch": set(),
+    "mmserve.vision": set(),
+    "mmserve.protocol": {"mmserve.wire"},
+    "mmserve.engine": {"mmserve.wire"},
+    "mmserve.text": {"mmserve.model_files"},
+    "mmserve.multimodal": {"mmserve.wire", "mmserve.model_files", "mmserve.fetch", "mmserve.vision", "mmserve.text"},
+    "mmserve.builtin_engine": {"mmserve.wire", "mmserve.model_files"},
+}
+
+# The engine client's whole world outside the standard library.
+ENGINE_THIRD_PARTY = {"zmq", "msgspec", "numpy"}
+FORBIDDEN = {"vllm", "torch", "transformers"}
+
+# Issue 9's upper half removes these: deployments must stop importing the application
+# (config split per deployment, the serving logic moved below deployments, errors and
+# EngineLimits in a neutral module). (importing module, imported module)
+UPWARD_IMPORTS = {
+    ("deployments.engine_client", "serve_app.config"),
+    ("deployments.ingress", "serve_app.config"),
+    ("deployments.ingress", "serve_app.errors"),
+    ("deployments.ingress", "serve_app.intake"),
+    ("deployments.ingress", "serve_app.observability"),
+    ("deployments.ingress", "serve_app.openai_serving"),
+    ("deployments.ingress", "serve_app.schemas"),
+    ("deployments.preprocessor", "serve_app.config"),
+    ("deployments.router", "serve_app.openai_serving"),
+}
+
+MAX_MODULE_LINES = 400
+MAX_CLASS_LINES = 250
+# Issue 9's upper half removes these by splitting the request path by stage (input processing,
+# n > 1 fan-out, output processing, SSE rendering, one error table). Path or "path::Class".
+OVERSIZED = {
+    "serve_app/openai_serving.py",
+    "serve_app/openai_serving.py::OpenAIServer",
+    "serve_app/validation.py",
+}
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # dotted
+    path: Path
+    tree: ast.Module
+    lines: int
+
+    @property
+    def rel(self) -> str:
+        return self.path.relative_to(ROOT).as_posix()
+
+
+def _modules() -> list[Module]:
+    found = []
+    for top in PRODUCTION:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            text = path.read_text()
+            found.append(Module(".".join(parts), path, ast.parse(text), len(text.splitlines())))
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(module: Module) -> set[str]:
+    """Every module name imported anywhere in the file (function-level imports too), resolved."""
+    package = module.name if module.path.name == "__init__.py" else module.name.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names.add(target)
+            # `from package import module` names a module too.
+            names.update(f"{target}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _ours(name: str) -> str | None:
+    """The production module (or package) `name` refers to, or None for anything else."""
+    known = {m.name for m in MODULES}
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _unit(name: str) -> str:
+    """The mmserve unit a module belongs to: its package under mmserve, or the top-level module."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "mmserve" and len(parts) > 1 else name
+
+
+def _edges() -> set[tuple[str, str]]:
+    edges = set()
+    for module in MODULES:
+        for imported in _imports(module):
+            target = _ours(imported)
+            if target is not None and target != module.name:
+                edges.add((module.name, target))
+    return edges
+
+
+EDGES = _edges()
+
+
+def test_the_source_is_read():
+    # The rules below must be checking something: the modules and edges they reason about exist.
+    assert {"serve_app.builder", "deployments.router", "mmserve.engine.client", "mmserve.wire.codec"} <= {m.name for m in MODULES}
+    assert ("mmserve.engine.client", "mmserve.wire") in EDGES
+    assert ("serve_app.builder", "deployments.ingress") in EDGES
+
+
+def test_nothing_imports_a_higher_tier():
+    upward = {(a, b) for a, b in EDGES if TIERS[a.split(".")[0]] < TIERS[b.split(".")[0]]}
+    assert upward - UPWARD_IMPORTS == set(), "new imports from a lower tier to a higher one"
+    assert UPWARD_IMPORTS - upward == set(), "fixed: remove these from UPWARD_IMPORTS"
+
+
+def test_mmserve_units_import_only_what_they_may():
+    units = {_unit(m.name) for m in MODULES if m.name.startswith("mmserve.")}
+    assert units == set(MMSERVE_DEPENDS_ON), "a new mmserve unit needs its place in MMSERVE_DEPENDS_ON"
+    wrong = sorted(
+        (a, b) for a, b in EDGES
+        if a.startswith("mmserve.") and b.startswith("mmserve")
+        and _unit(a) != _unit(b) and _unit(b) not in MMSERVE_DEPENDS_ON[_unit(a)]
+    )
+    assert wrong == []
+    assert not any(a == "mmserve" or b == "mmserve" for a, b in EDGES if a.startswith("mmserve"))
+
+
+def test_mmserve_dependencies_have_no_cycle():
+    done: set[str] = set()
+
+    def visit(unit: str, path: tuple[str, ...]) -> None:
+        assert unit not in path, f"import cycle: {' → '.join(path + (unit,))}"
+        if unit not in done:
+            for dependency in MMSERVE_DEPENDS_ON[unit]:
+                visit(dependency, path + (unit,))
+            done.add(unit)
+
+    for unit in MMSERVE_DEPENDS_ON:
+        visit(unit, ())
+
+
+def test_engine_client_imports_only_the_wire_and_its_transport():
+    engine = [m for m in MODULES if _unit(m.name) == "mmserve.engine"]
+    assert engine
+    for module in engine:
+        third_party = {
+            name.split(".")[0] for name in _imports(module)
+            if _ours(name) is None and name.split(".")[0] not in sys.stdlib_module_names
+        }
+        assert third_party <= ENGINE_THIRD_PARTY, (module.rel, third_party)
+
+
+def test_the_gateway_never_imports_vllm_torch_or_transformers():
+    for module in MODULES:
+        assert not {name.split(".")[0] for name in _imports(module)} & FORBIDDEN, module.rel
+
+
+def _oversized() -> set[str]:
+    found = set()
+    for module in MODULES:
+        if module.lines > MAX_MODULE_LINES:
+            found.add(module.rel)
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                found.add(f"{module.rel}::{node.name}")
+    return found
+
+
+def test_modules_and_classes_are_readable_in_one_sitting():
+    found = _oversized()
+    assert found - OVERSIZED == set(), f"over {MAX_MODULE_LINES} lines per module or {MAX_CLASS_LINES} per class"
+    assert OVERSIZED - found == set(), "fixed: remove these from OVERSIZED"
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.rel)
+def test_each_module_says_what_it_holds(module):
+    body = module.tree.body
+    assert body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), "no module docstring"
+    first_line = str(body[0].value.value).strip().splitlines()[0]
+    assert len(first_line.split()) >= 3, f"the docstring's first line says too little: {first_line!r}"
