@@ -22,7 +22,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
@@ -134,6 +136,11 @@ class Ingress:
             record.status, record.error = CLIENT_CLOSED, "client disconnected"
             self._finish(record)
             raise
+        except (ClientDisconnect, TaskCancelledError):
+            # The client went away while sending its body (Serve's proxy cancels the receive).
+            record.status, record.error = CLIENT_CLOSED, "client disconnected while sending the body"
+            self._finish(record)
+            return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
             logger.exception("unexpected error while serving a request")
             record.status, record.error = 500, type(exc).__name__

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import socket
 import time
 
 import httpx
@@ -70,6 +71,12 @@ def test_request_lines_metrics_and_no_tracebacks_for_client_mistakes(serve_run):
         with pytest.raises(httpx.TimeoutException):
             client.post(CHAT, json=long_chat, timeout=1.0)
         expected.append(499)
+    # And one that leaves halfway through sending its body.
+    with socket.create_connection(("127.0.0.1", serve_run.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n" + b'{"messages": [' + b" " * 1000)
+        time.sleep(1.0)
+    expected.append(499)
 
     # Lines and metrics are written when the requests end (the engine aborts the abandoned ones).
     deadline = time.monotonic() + 30
@@ -82,10 +89,10 @@ def test_request_lines_metrics_and_no_tracebacks_for_client_mistakes(serve_run):
     assert statuses == sorted(expected), (statuses, serve_run.replica_logs("Ingress")[-3000:])
     for line in lines:
         assert {"request_id", "endpoint", "status", "outcome", "total_ms", "error"} <= set(line)
-    assert [line["outcome"] for line in lines if line["status"] == 499] == ["client_closed"] * 2
+    assert [line["outcome"] for line in lines if line["status"] == 499] == ["client_closed"] * 3
 
     metrics = httpx.get(url + "/metrics", timeout=10).text
-    assert _metric(metrics, "499") == 2 and _metric(metrics, "500") == 0, metrics
+    assert _metric(metrics, "499") == 3 and _metric(metrics, "500") == 0, metrics
     assert _metric(metrics, "400") == 4 and _metric(metrics, "413") == 1 and _metric(metrics, "200") == 1
 
     logs = serve_run.all_serve_logs() + serve_run.worker_stderr()
