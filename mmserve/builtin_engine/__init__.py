@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .engine import DEFAULT_MODEL_DIR, BuiltinEngine, BuiltinEngineSettings
+from .engine import BuiltinEngine
+from .settings import DEFAULT_MODEL_DIR, BuiltinEngineSettings
 from .handshake import VLLM_VERSION
 
 __all__ = ["DEFAULT_MODEL_DIR", "VLLM_VERSION", "BuiltinEngine", "BuiltinEngineSettings", "builtin_engine_command"]

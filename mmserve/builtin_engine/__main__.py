@@ -13,7 +13,8 @@ import signal
 import sys
 from pathlib import Path
 
-from .engine import DEFAULT_MODEL_DIR, BuiltinEngine, BuiltinEngineSettings
+from .engine import BuiltinEngine
+from .settings import DEFAULT_MODEL_DIR, BuiltinEngineSettings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

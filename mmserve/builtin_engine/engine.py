@@ -31,40 +31,24 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from ..wire.engine_core import ENGINE_CORE_DEAD, EngineCoreOutput, EngineCoreOutputs, FinishReason, RequestType, UtilityOutput
-from .handshake import VLLM_VERSION, handshake, ready_response
 from .fake_model import ModelInfo, new_generation
+from .handshake import VLLM_VERSION, handshake, ready_response
 from .multimodal_input import MultimodalError, ProofLines
 from .scheduler import Scheduler
+from .settings import BuiltinEngineSettings
 from .timings import TimingsLog
 from .wire_engine_side import OutputEncoder, ReceivedRequest, WireDecodeError, decode_message, request_id_of
 
 logger = logging.getLogger("mmserve.builtin_engine")
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model"
 MM_CACHE_ITEMS = 1024
 MAX_MESSAGES_PER_TICK = 1000
-
-
-@dataclass(frozen=True)
-class BuiltinEngineSettings:
-    """One built-in engine process's settings (its command line)."""
-
-    handshake_address: str
-    model_dir: Path = DEFAULT_MODEL_DIR
-    max_model_len: int = 4096
-    max_num_seqs: int = 256
-    step_interval_ms: float = 2.0
-    dp_rank: int = 0
-    block_size: int = 16
-    min_answer_tokens: int = 8
-    max_answer_tokens: int = 40
 
 
 class FatalEngineError(RuntimeError):

@@ -11,14 +11,12 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..model_files import ModelConfig
 from .scheduler import GenerationRequest
+from .settings import BuiltinEngineSettings
 from .wire_engine_side import ReceivedRequest
-
-if TYPE_CHECKING:
-    from .engine import BuiltinEngineSettings
 
 logger = logging.getLogger("mmserve.builtin_engine")
 

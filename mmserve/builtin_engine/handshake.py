@@ -10,16 +10,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
 
 from ..wire.handshake import HandshakeInit, engine_identity
+from .settings import BuiltinEngineSettings
 from .wire_engine_side import OutputEncoder
-
-if TYPE_CHECKING:
-    from .engine import BuiltinEngineSettings
 
 logger = logging.getLogger("mmserve.builtin_engine")
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from mmserve.builtin_engine import timings as timings_module
-from mmserve.builtin_engine.engine import BuiltinEngine, BuiltinEngineSettings
+from mmserve.builtin_engine import BuiltinEngine, BuiltinEngineSettings
 from mmserve.builtin_engine.wire_engine_side import ReceivedRequest, ReceivedSampling
 
 from tests.builtin_engine.test_builtin_engine import MODEL_DIR, Engine, make_request, run
