@@ -22,6 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .tokenizer_class import (
+    CLASS_DEFAULT_SPECIAL_TOKENS,
+    TokenizerClass,
+    UnsupportedTokenizerError,
+    resolve_tokenizer_class,
+)
+
 # transformers' PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES, in order: the
 # order matters because it is the order of `all_special_tokens`/`all_special_ids`.
 STANDARD_SPECIAL_TOKEN_NAMES: tuple[str, ...] = (
@@ -50,15 +57,31 @@ _SAMPLING_DEFAULT_KEYS: tuple[str, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class AddedTokenSpec:
-    """An entry of tokenizer_config.json's ``added_tokens_decoder``."""
+    """A serialized ``AddedToken``: an entry of tokenizer_config.json's ``added_tokens_decoder`` (or,
+    in old directories without one, of tokenizer.json's ``added_tokens``), or a special token given
+    in its dict form (``{"__type": "AddedToken", ...}``; ``id`` None)."""
 
-    id: int
+    id: int | None
     content: str
     special: bool
     single_word: bool = False
     lstrip: bool = False
     rstrip: bool = False
     normalized: bool = True
+
+    @classmethod
+    def from_json(cls, token_id: int | None, spec: dict[str, Any]) -> "AddedTokenSpec":
+        special = bool(spec.get("special", False))
+        return cls(
+            id=token_id,
+            content=spec["content"],
+            special=special,
+            single_word=bool(spec.get("single_word", False)),
+            lstrip=bool(spec.get("lstrip", False)),
+            rstrip=bool(spec.get("rstrip", False)),
+            # tokenizers.AddedToken's default: special tokens are not normalized.
+            normalized=bool(spec.get("normalized", not special)),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +98,16 @@ class TokenizerConfig:
     chat_template: str | None = None
     named_chat_templates: tuple[tuple[str, str], ...] = ()
     clean_up_tokenization_spaces: bool = False
-    tokenizer_class: str | None = None
+    # transformers 5 skips the clean-up for BPE models unless this is set too.
+    clean_up_tokenization_spaces_for_bpe: bool = False
+    tokenizer_class: str | None = None  # as written (the class actually used: ModelFiles.tokenizer_class)
+    # False in old directories: transformers then takes the added tokens from tokenizer.json.
+    has_added_tokens_decoder: bool = False
+    # Flags of special tokens given in dict form (named or extra), by content.
+    special_token_specs: tuple[AddedTokenSpec, ...] = ()
+    add_prefix_space: bool | None = None
+    split_special_tokens: bool = False
+    has_auto_map: bool = False
 
     def special_token(self, name: str) -> str | None:
         for key, value in self.named_special_tokens:
@@ -148,6 +180,9 @@ class ModelFiles:
     generation_config: GenerationConfig
     model_config: ModelConfig
     chat_template: ChatTemplateSource | None
+    # The transformers class vLLM's AutoTokenizer instantiates (tokenizer_class.py); refused at load
+    # when we cannot reproduce it.
+    tokenizer_class: TokenizerClass = TokenizerClass.TOKENIZERS_BACKEND
     # Named templates ("default", "tool_use", ...) when the dir defines several.
     named_chat_templates: tuple[tuple[str, str], ...] = ()
 
@@ -158,7 +193,20 @@ class ModelFiles:
         if not tokenizer_json.is_file():
             raise FileNotFoundError(f"{tokenizer_json} not found (only fast tokenizers are supported)")
         raw_config = _read_json(root / "config.json") or {}
-        tok_config = _parse_tokenizer_config(_read_json(root / "tokenizer_config.json") or {})
+        raw_tok_config = _read_json(root / "tokenizer_config.json") or {}
+        tokenizer_class = resolve_tokenizer_class(
+            raw_config.get("model_type"),
+            raw_tok_config.get("tokenizer_class") or raw_config.get("tokenizer_class"),
+            has_auto_map=_has_tokenizer_auto_map(raw_tok_config),
+        )
+        tok_config = _parse_tokenizer_config(raw_tok_config, CLASS_DEFAULT_SPECIAL_TOKENS[tokenizer_class])
+        if not tok_config.has_added_tokens_decoder:
+            legacy = [name for name in ("special_tokens_map.json", "added_tokens.json") if (root / name).is_file()]
+            if legacy:
+                raise UnsupportedTokenizerError(
+                    f"{root}: tokenizer_config.json has no added_tokens_decoder and the legacy {', '.join(legacy)} "
+                    "is present; re-save the tokenizer with a recent transformers"
+                )
         chat_template, named = _resolve_chat_template(root, tok_config)
         return cls(
             path=root,
@@ -167,6 +215,7 @@ class ModelFiles:
             generation_config=_parse_generation_config(_read_json(root / "generation_config.json"), raw_config),
             model_config=_parse_model_config(raw_config),
             chat_template=chat_template,
+            tokenizer_class=tokenizer_class,
             named_chat_templates=named,
         )
 
@@ -188,10 +237,30 @@ def _token_content(value: Any) -> str | None:
     return None
 
 
-def _parse_tokenizer_config(raw: dict[str, Any]) -> TokenizerConfig:
+def _has_tokenizer_auto_map(raw: dict[str, Any]) -> bool:
+    auto_map = raw.get("auto_map")
+    if isinstance(auto_map, (list, tuple)):
+        return True
+    return isinstance(auto_map, dict) and auto_map.get("AutoTokenizer") is not None
+
+
+def _token_spec(value: Any) -> AddedTokenSpec | None:
+    """The flags of a special token serialized as an AddedToken (transformers converts only dicts
+    tagged ``"__type": "AddedToken"``)."""
+    if isinstance(value, dict) and value.get("__type") == "AddedToken" and isinstance(value.get("content"), str):
+        return AddedTokenSpec.from_json(None, {k: v for k, v in value.items() if k != "__type"})
+    return None
+
+
+def _parse_tokenizer_config(
+    raw: dict[str, Any], class_defaults: tuple[tuple[str, str], ...] = ()
+) -> TokenizerConfig:
     named: dict[str, str] = {}
+    defaults = dict(class_defaults)
     for name in STANDARD_SPECIAL_TOKEN_NAMES:
-        if (content := _token_content(raw.get(name))) is not None:
+        # A key absent from the file takes the class's default; an explicit null unsets the token.
+        value = raw[name] if name in raw else defaults.get(name)
+        if (content := _token_content(value)) is not None:
             named[name] = content
     # transformers v5 turns any other ``*_token`` string key, and the dict form of
     # extra_special_tokens, into named special tokens (model-specific tokens).
@@ -211,20 +280,17 @@ def _parse_tokenizer_config(raw: dict[str, Any]) -> TokenizerConfig:
     added = tuple(
         sorted(
             (
-                AddedTokenSpec(
-                    id=int(token_id),
-                    content=spec["content"],
-                    special=bool(spec.get("special", False)),
-                    single_word=bool(spec.get("single_word", False)),
-                    lstrip=bool(spec.get("lstrip", False)),
-                    rstrip=bool(spec.get("rstrip", False)),
-                    normalized=bool(spec.get("normalized", True)),
-                )
+                AddedTokenSpec.from_json(int(token_id), spec)
                 for token_id, spec in (raw.get("added_tokens_decoder") or {}).items()
             ),
             key=lambda t: t.id,
         )
     )
+    specs = [spec for name in named if (spec := _token_spec(raw.get(name))) is not None]
+    if isinstance(extra_raw, dict):
+        specs += [spec for v in extra_raw.values() if (spec := _token_spec(v)) is not None]
+    else:
+        specs += [spec for v in extra_raw if (spec := _token_spec(v)) is not None]
 
     template = raw.get("chat_template")
     named_templates: tuple[tuple[str, str], ...] = ()
@@ -238,7 +304,15 @@ def _parse_tokenizer_config(raw: dict[str, Any]) -> TokenizerConfig:
         chat_template=template if isinstance(template, str) else None,
         named_chat_templates=named_templates,
         clean_up_tokenization_spaces=bool(raw.get("clean_up_tokenization_spaces", False)),
+        clean_up_tokenization_spaces_for_bpe=bool(
+            raw.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+        ),
         tokenizer_class=raw.get("tokenizer_class"),
+        has_added_tokens_decoder="added_tokens_decoder" in raw,
+        special_token_specs=tuple(specs),
+        add_prefix_space=raw.get("add_prefix_space"),
+        split_special_tokens=bool(raw.get("split_special_tokens", False)),
+        has_auto_map=_has_tokenizer_auto_map(raw),
     )
 
 

@@ -18,6 +18,7 @@ from .detokenizer import IncrementalDetokenizer
 from .stop import SequenceText, StopTokenIds, check_stop_strings, resolve_stop_token_ids, stop_token_reason
 from .template_env import detect_content_format
 from .tokenizer import Tokenizer
+from ..tokenizer_class import TokenizerClass, UnsupportedTokenizerError
 
 __all__ = [
     "ChatTemplate",
@@ -32,6 +33,7 @@ __all__ = [
     "StopTokenIds",
     "TextContent",
     "Tokenizer",
+    "TokenizerClass",
     "ToolCall",
     "check_stop_strings",
     "detect_content_format",
@@ -39,4 +41,5 @@ __all__ = [
     "resolve_stop_token_ids",
     "stop_token_reason",
     "to_conversation",
+    "UnsupportedTokenizerError",
 ]

@@ -155,7 +155,7 @@ def _llama_style_tokenizer_json() -> str:
     return text
 
 
-def _llava_files() -> dict[str, dict | str]:
+def llava_model_files() -> dict[str, dict | str]:
     added = {
         str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                  "single_word": False, "special": True}
@@ -265,7 +265,7 @@ def build_tiny_llava(dest: Path, seed: int = 0) -> Path:
 
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    for name, content in _llava_files().items():
+    for name, content in llava_model_files().items():
         text = content if isinstance(content, str) else json.dumps(content, indent=2, sort_keys=True) + "\n"
         (dest / name).write_text(text, encoding="utf-8")
     config = LlavaConfig.from_pretrained(dest)
