@@ -4,8 +4,8 @@ Everything the gateway (and the built-in engine) needs from a model dir is read 
 at startup, so that the text, image and engine layers work with typed values, not raw JSON:
 
 * ``tokenizer.json``: the `tokenizers` pipeline (loaded by ``tokenizer.py``).
-* ``tokenizer_config.json``: named special tokens (bos/eos/...), extra special
-  tokens, added tokens and, in old checkpoints, the chat template.
+* ``tokenizer_config.json``: parsed by ``tokenizer_files.py`` (special and added tokens, the
+  tokenizer class vLLM would load) and, in old checkpoints, the chat template.
 * ``chat_template.jinja`` / ``chat_templates/*.jinja`` / ``chat_template.json``
   / ``processor_config.json``: chat template sources (see ``_resolve_chat_template``
   for the priority, which mirrors vLLM + transformers).
@@ -22,23 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .tokenizer_class import (
+from .tokenizer_files import (
     CLASS_DEFAULT_SPECIAL_TOKENS,
     TokenizerClass,
+    TokenizerConfig,
     UnsupportedTokenizerError,
+    has_tokenizer_auto_map,
+    parse_tokenizer_config,
     resolve_tokenizer_class,
-)
-
-# transformers' PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES, in order: the
-# order matters because it is the order of `all_special_tokens`/`all_special_ids`.
-STANDARD_SPECIAL_TOKEN_NAMES: tuple[str, ...] = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
 )
 
 # Sampling parameters vLLM takes from generation_config.json as request defaults
@@ -53,67 +44,6 @@ _SAMPLING_DEFAULT_KEYS: tuple[str, ...] = (
     "min_p",
     "max_new_tokens",
 )
-
-
-@dataclass(frozen=True, slots=True)
-class AddedTokenSpec:
-    """A serialized ``AddedToken``: an entry of tokenizer_config.json's ``added_tokens_decoder`` (or,
-    in old directories without one, of tokenizer.json's ``added_tokens``), or a special token given
-    in its dict form (``{"__type": "AddedToken", ...}``; ``id`` None)."""
-
-    id: int | None
-    content: str
-    special: bool
-    single_word: bool = False
-    lstrip: bool = False
-    rstrip: bool = False
-    normalized: bool = True
-
-    @classmethod
-    def from_json(cls, token_id: int | None, spec: dict[str, Any]) -> "AddedTokenSpec":
-        special = bool(spec.get("special", False))
-        return cls(
-            id=token_id,
-            content=spec["content"],
-            special=special,
-            single_word=bool(spec.get("single_word", False)),
-            lstrip=bool(spec.get("lstrip", False)),
-            rstrip=bool(spec.get("rstrip", False)),
-            # tokenizers.AddedToken's default: special tokens are not normalized.
-            normalized=bool(spec.get("normalized", not special)),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class TokenizerConfig:
-    """The parts of tokenizer_config.json the gateway relies on."""
-
-    # Named special tokens in transformers order: the 7 standard names first,
-    # then model-specific ``*_token`` keys (e.g. ``image_token``). These are
-    # exactly the variables transformers passes to chat templates.
-    named_special_tokens: tuple[tuple[str, str], ...] = ()
-    # ``extra_special_tokens`` / legacy ``additional_special_tokens`` (list form).
-    extra_special_tokens: tuple[str, ...] = ()
-    added_tokens: tuple[AddedTokenSpec, ...] = ()
-    chat_template: str | None = None
-    named_chat_templates: tuple[tuple[str, str], ...] = ()
-    clean_up_tokenization_spaces: bool = False
-    # transformers 5 skips the clean-up for BPE models unless this is set too.
-    clean_up_tokenization_spaces_for_bpe: bool = False
-    tokenizer_class: str | None = None  # as written (the class actually used: ModelFiles.tokenizer_class)
-    # False in old directories: transformers then takes the added tokens from tokenizer.json.
-    has_added_tokens_decoder: bool = False
-    # Flags of special tokens given in dict form (named or extra), by content.
-    special_token_specs: tuple[AddedTokenSpec, ...] = ()
-    add_prefix_space: bool | None = None
-    split_special_tokens: bool = False
-    has_auto_map: bool = False
-
-    def special_token(self, name: str) -> str | None:
-        for key, value in self.named_special_tokens:
-            if key == name:
-                return value
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +110,7 @@ class ModelFiles:
     generation_config: GenerationConfig
     model_config: ModelConfig
     chat_template: ChatTemplateSource | None
-    # The transformers class vLLM's AutoTokenizer instantiates (tokenizer_class.py); refused at load
+    # The transformers class vLLM's AutoTokenizer instantiates (tokenizer_files.py); refused at load
     # when we cannot reproduce it.
     tokenizer_class: TokenizerClass = TokenizerClass.TOKENIZERS_BACKEND
     # Named templates ("default", "tool_use", ...) when the dir defines several.
@@ -197,9 +127,9 @@ class ModelFiles:
         tokenizer_class = resolve_tokenizer_class(
             raw_config.get("model_type"),
             raw_tok_config.get("tokenizer_class") or raw_config.get("tokenizer_class"),
-            has_auto_map=_has_tokenizer_auto_map(raw_tok_config),
+            has_auto_map=has_tokenizer_auto_map(raw_tok_config),
         )
-        tok_config = _parse_tokenizer_config(raw_tok_config, CLASS_DEFAULT_SPECIAL_TOKENS[tokenizer_class])
+        tok_config = parse_tokenizer_config(raw_tok_config, CLASS_DEFAULT_SPECIAL_TOKENS[tokenizer_class])
         if not tok_config.has_added_tokens_decoder:
             legacy = [name for name in ("special_tokens_map.json", "added_tokens.json") if (root / name).is_file()]
             if legacy:
@@ -225,95 +155,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
     with path.open(encoding="utf-8") as f:
         return json.load(f)
-
-
-def _token_content(value: Any) -> str | None:
-    """Special tokens are stored either as plain strings or as serialized
-    AddedToken dicts ({"content": ..., "__type": "AddedToken"})."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
-def _has_tokenizer_auto_map(raw: dict[str, Any]) -> bool:
-    auto_map = raw.get("auto_map")
-    if isinstance(auto_map, (list, tuple)):
-        return True
-    return isinstance(auto_map, dict) and auto_map.get("AutoTokenizer") is not None
-
-
-def _token_spec(value: Any) -> AddedTokenSpec | None:
-    """The flags of a special token serialized as an AddedToken (transformers converts only dicts
-    tagged ``"__type": "AddedToken"``)."""
-    if isinstance(value, dict) and value.get("__type") == "AddedToken" and isinstance(value.get("content"), str):
-        return AddedTokenSpec.from_json(None, {k: v for k, v in value.items() if k != "__type"})
-    return None
-
-
-def _parse_tokenizer_config(
-    raw: dict[str, Any], class_defaults: tuple[tuple[str, str], ...] = ()
-) -> TokenizerConfig:
-    named: dict[str, str] = {}
-    defaults = dict(class_defaults)
-    for name in STANDARD_SPECIAL_TOKEN_NAMES:
-        # A key absent from the file takes the class's default; an explicit null unsets the token.
-        value = raw[name] if name in raw else defaults.get(name)
-        if (content := _token_content(value)) is not None:
-            named[name] = content
-    # transformers v5 turns any other ``*_token`` string key, and the dict form of
-    # extra_special_tokens, into named special tokens (model-specific tokens).
-    for key, value in raw.items():
-        if key not in named and key.endswith("_token") and key not in STANDARD_SPECIAL_TOKEN_NAMES:
-            if (content := _token_content(value)) is not None:
-                named[key] = content
-    extra_raw = raw.get("extra_special_tokens") or raw.get("additional_special_tokens") or []
-    extra: list[str] = []
-    if isinstance(extra_raw, dict):
-        for key, value in extra_raw.items():
-            if (content := _token_content(value)) is not None:
-                named[key] = content
-    else:
-        extra = [c for v in extra_raw if (c := _token_content(v)) is not None]
-
-    added = tuple(
-        sorted(
-            (
-                AddedTokenSpec.from_json(int(token_id), spec)
-                for token_id, spec in (raw.get("added_tokens_decoder") or {}).items()
-            ),
-            key=lambda t: t.id,
-        )
-    )
-    specs = [spec for name in named if (spec := _token_spec(raw.get(name))) is not None]
-    if isinstance(extra_raw, dict):
-        specs += [spec for v in extra_raw.values() if (spec := _token_spec(v)) is not None]
-    else:
-        specs += [spec for v in extra_raw if (spec := _token_spec(v)) is not None]
-
-    template = raw.get("chat_template")
-    named_templates: tuple[tuple[str, str], ...] = ()
-    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        named_templates = tuple((t["name"], t["template"]) for t in template)
-        template = None
-    return TokenizerConfig(
-        named_special_tokens=tuple(named.items()),
-        extra_special_tokens=tuple(extra),
-        added_tokens=added,
-        chat_template=template if isinstance(template, str) else None,
-        named_chat_templates=named_templates,
-        clean_up_tokenization_spaces=bool(raw.get("clean_up_tokenization_spaces", False)),
-        clean_up_tokenization_spaces_for_bpe=bool(
-            raw.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
-        ),
-        tokenizer_class=raw.get("tokenizer_class"),
-        has_added_tokens_decoder="added_tokens_decoder" in raw,
-        special_token_specs=tuple(specs),
-        add_prefix_space=raw.get("add_prefix_space"),
-        split_special_tokens=bool(raw.get("split_special_tokens", False)),
-        has_auto_map=_has_tokenizer_auto_map(raw),
-    )
 
 
 def _resolve_chat_template(

@@ -31,12 +31,13 @@ TIERS = {"serve_app": 3, "deployments": 2, "mmserve": 1}
 # transitively back. mmserve.wire mirrors vLLM and imports nothing of ours.
 MMSERVE_DEPENDS_ON: dict[str, set[str]] = {
     "mmserve.wire": set(),
-    "mmserve.model_files": set(),
+    "mmserve.tokenizer_files": set(),
+    "mmserve.model_files": {"mmserve.tokenizer_files"},
     "mmserve.fetch": set(),
     "mmserve.vision": set(),
     "mmserve.protocol": {"mmserve.wire"},
     "mmserve.engine": {"mmserve.wire"},
-    "mmserve.text": {"mmserve.model_files"},
+    "mmserve.text": {"mmserve.model_files", "mmserve.tokenizer_files"},
     "mmserve.multimodal": {"mmserve.wire", "mmserve.model_files", "mmserve.fetch", "mmserve.vision", "mmserve.text"},
     "mmserve.builtin_engine": {"mmserve.wire", "mmserve.model_files"},
 }

@@ -18,7 +18,7 @@ from .detokenizer import IncrementalDetokenizer
 from .stop import SequenceText, StopTokenIds, check_stop_strings, resolve_stop_token_ids, stop_token_reason
 from .template_env import detect_content_format
 from .tokenizer import Tokenizer
-from ..tokenizer_class import TokenizerClass, UnsupportedTokenizerError
+from ..tokenizer_files import TokenizerClass, UnsupportedTokenizerError
 
 __all__ = [
     "ChatTemplate",

@@ -4,7 +4,7 @@ vLLM tokenizes through ``transformers.AutoTokenizer`` (transformers 5) and strea
 same Rust object (``tokenizer._tokenizer``), so building an identical ``tokenizers.Tokenizer`` gives
 identical ids and text. What transformers does on top of ``tokenizer.json``, reproduced here:
 
-* the class (``tokenizer_class.py``): ``Qwen2Tokenizer`` rebuilds the pipeline from its own
+* the class (``mmserve/tokenizer_files.py``): ``Qwen2Tokenizer`` rebuilds the pipeline from its own
   definition (NFC, a regex split with single digits, ByteLevel; BPE without unk/byte fallback) and
   keeps only tokenizer.json's vocabulary, merges and post-processor, so tokenizer.json's
   normalizer and pre-tokenizer are ignored and its added tokens are dropped. The generic
@@ -29,8 +29,14 @@ import tokenizers.normalizers
 import tokenizers.pre_tokenizers
 import tokenizers.processors
 
-from ..model_files import AddedTokenSpec, ModelFiles, TokenizerConfig
-from ..tokenizer_class import QWEN2_PRETOKENIZE_REGEX, TokenizerClass, UnsupportedTokenizerError
+from ..model_files import ModelFiles
+from ..tokenizer_files import (
+    QWEN2_PRETOKENIZE_REGEX,
+    AddedTokenSpec,
+    TokenizerClass,
+    TokenizerConfig,
+    UnsupportedTokenizerError,
+)
 
 
 class Tokenizer:

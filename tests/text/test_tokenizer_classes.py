@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mmserve.text import IncrementalDetokenizer, ModelFiles, Tokenizer
-from mmserve.tokenizer_class import TokenizerClass, UnsupportedTokenizerError, resolve_tokenizer_class
+from mmserve.tokenizer_files import TokenizerClass, UnsupportedTokenizerError, resolve_tokenizer_class
 
 from tests.text.tokenizer_corpus import generate_corpus
 from tests.text.tokenizer_dirs import REFUSED, VARIANTS, llava_agree, qwen2_vl_agree
