@@ -15,7 +15,7 @@ from ray import serve
 from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages, load_image_family
 from mmserve.multimodal.errors import ImageInputError
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
-from mmserve.vision import ImageLimits, pillow_simd_active
+from mmserve.vision import ImageLimits, resize_path
 from mmserve.fetch import FetchPolicy
 from serve_app.config import AppConfig, ImagesConfig
 
@@ -51,9 +51,8 @@ class PreprocessorDeployment:
         app_config = AppConfig.model_validate(config)
         self.preprocessor = build_preprocessor(app_config)
         logger.info(
-            "preprocessor for %s images (pixel mode %s; exact resize via %s)",
-            self.preprocessor.family.name, app_config.images.pixel_mode,
-            "pillow-simd (self-tested)" if pillow_simd_active() else "numpy",
+            "preprocessor for %s images (pixel mode %s; image resize path: %s)",
+            self.preprocessor.family.name, app_config.images.pixel_mode, resize_path(),
         )
 
     async def process(self, request: ImageBatchRequest) -> ProcessedImages | ImagesRefused:

@@ -6,6 +6,7 @@ engine's sockets) and the ingress, which holds their handles.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray.serve import Application
@@ -20,6 +21,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     from deployments.ingress import Ingress
     from deployments.preprocessor import PreprocessorDeployment, preprocessor_options
     from mmserve.multimodal import load_image_family
+    from mmserve.vision import resize_path
 
     config = AppConfig.model_validate(args or {})
     config_dict = config.model_dump(mode="json")
@@ -33,6 +35,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     preprocessor = None
     if load_image_family(config.model_dir) is not None:
         preprocessor = PreprocessorDeployment.options(**preprocessor_options(config)).bind(config_dict)
+        # Said here, in the `serve run` process whose output the user watches (the replicas' own
+        # start-up logs go to Ray's log files); the replicas run from the same environment.
+        logging.getLogger("ray.serve").info("mmserve image resize path: %s", resize_path())
     return Ingress.options(
         num_replicas=config.ingress_replicas, max_queued_requests=config.limits.ingress_max_queued_requests
     ).bind(config_dict, engines, preprocessor)

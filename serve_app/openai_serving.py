@@ -25,6 +25,7 @@ from jinja2 import TemplateError
 from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from mmserve.protocol import EngineEvent, GatewayBusyError
 from mmserve.multimodal import ImageBatchRequest, PixelMode, load_image_family
+from mmserve.vision import resize_path
 from mmserve.multimodal.errors import ImageInputError
 from mmserve.text import (
     ConversationMessage as TextChatMessage,
@@ -56,6 +57,7 @@ from .schemas import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    GatewayInfo,
     ModelCard,
     ModelList,
     ResponseMessage,
@@ -152,6 +154,8 @@ class OpenAIServer:
         # character per byte; SentencePiece's have one per character).
         self.longest_token_chars = max(len(t) for t in self.tokenizer.backend.get_vocab(with_added_tokens=True))
         self._prompt_pool = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="mmserve-prompt")
+        if metrics is not None and self.image_family is not None:
+            metrics.set_resize_path(resize_path())
 
     # ------------------------------------------------------------------ endpoints
 
@@ -162,7 +166,11 @@ class OpenAIServer:
             max_len, engine = limits.max_model_len, limits.engine_kind
         except EngineError:
             max_len, engine = None, None
-        return ModelList(data=[ModelCard(id=self.model_name, root=str(self.config.model_dir), max_model_len=max_len, engine=engine)])
+        card = ModelCard(id=self.model_name, root=str(self.config.model_dir), max_model_len=max_len, engine=engine)
+        if self.image_family is not None:
+            # The preprocessor replicas run from this same environment, so they resize the same way.
+            card.mmserve = GatewayInfo(image_resize=resize_path())
+        return ModelList(data=[card])
 
     async def chat(
         self, request: ChatCompletionRequest, record: RequestRecord | None = None

@@ -214,6 +214,12 @@ class CompletionChunk(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
+class GatewayInfo(BaseModel):
+    """What this gateway's install gives it (not part of OpenAI's model object)."""
+
+    # "pillow-simd" (fast) or "numpy-exact": both byte-identical to vLLM's HF processors.
+    image_resize: str
+
 
 class ModelCard(BaseModel):
     id: str
@@ -224,6 +230,7 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     # Which engine serves it: "vllm" or "mmserve-builtin" (deterministic, not a real model).
     engine: str | None = None
+    mmserve: GatewayInfo | None = None
 
 
 class ModelList(BaseModel):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CropBox", "resize_channels", "resize_planes", "resize_rgb", "pillow_simd_active"]
+__all__ = ["CropBox", "resize_channels", "resize_planes", "resize_rgb", "pillow_simd_active", "resize_path"]
 
 # Outputs per dense weight block. A block of n outputs reads about n * scale + taps inputs, so smaller
 # blocks waste fewer multiplications on the zeros outside the band, larger ones make fewer, better-shaped
@@ -389,3 +389,11 @@ def _pillow_simd_self_test() -> bool:
 def pillow_simd_active() -> bool:
     """Whether resizes go through pillow-simd (installed and passed its self-test)."""
     return _use_pillow_simd()
+
+
+def resize_path() -> str:
+    """The name of the resize in use, as the service reports it (log, /v1/models, /metrics).
+
+    Both are byte-identical to torch's kernel; "pillow-simd" is the fast one (scripts/install_pillow_simd.sh).
+    """
+    return "pillow-simd" if _use_pillow_simd() else "numpy-exact"

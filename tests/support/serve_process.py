@@ -1,0 +1,126 @@
+"""`serve run` as a user runs it: a separate process from a given venv, on its own Ray instance.
+
+Used by the tests that check what an install gives a user (README's quick start, the FastAPI
+versions the project allows, the resize path reported by a running service). Each process gets
+its own HTTP port and its own process group, so stopping it never touches another Ray cluster.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.support.vllm_engines import free_tcp_port
+
+REPO = Path(__file__).resolve().parents[2]
+CONSTRAINTS_DIR = REPO / "scripts" / "constraints"
+GATEWAY_CONSTRAINTS = CONSTRAINTS_DIR / "gateway.txt"
+
+
+def pinned_version(package: str, constraints: Path = GATEWAY_CONSTRAINTS) -> str:
+    for line in constraints.read_text().splitlines():
+        name, sep, version = line.partition("==")
+        if sep and name.strip().lower().replace("_", "-") == package.lower():
+            return version.strip()
+    raise LookupError(f"{package} is not pinned in {constraints}")
+
+
+def make_venv(path: Path, *pip_args: str, timeout_s: float = 900) -> Path:
+    """A fresh venv at PATH with `pip install PIP_ARGS`; returns its bin directory."""
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    bin_dir = path / "bin"
+    run_logged([str(bin_dir / "python"), "-m", "pip", "install", "-q", *pip_args], timeout_s=timeout_s)
+    return bin_dir
+
+
+def run_logged(cmd: list[str], *, timeout_s: float, cwd: Path | None = None, env: dict | None = None, shell: bool = False):
+    """Run a command; on failure raise with its output (pip's resolver errors are the useful part)."""
+    proc = subprocess.run(cmd, cwd=cwd, env=env, shell=shell, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def serve_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VIRTUAL_ENV", "PYTHONPATH"))}
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    return env
+
+
+class ServeRunProcess:
+    """`serve run` started from `command` (a shell command line) in `cwd`; its log goes to `log_path`.
+
+    The HTTP port is set through a Serve config file when the command names one ({config}); README's
+    quick start has the default port 8000 baked in, so it is run as written and the port is 8000.
+    """
+
+    def __init__(self, command: str, cwd: Path, log_path: Path, port: int, env: dict[str, str] | None = None) -> None:
+        self.command, self.cwd, self.log_path, self.port = command, cwd, log_path, port
+        self.env = env or serve_env()
+        self.proc: subprocess.Popen | None = None
+
+    @classmethod
+    def from_venv(cls, bin_dir: Path, cwd: Path, log_path: Path, import_path: str = "serve_app:app") -> "ServeRunProcess":
+        port = free_tcp_port()
+        config = log_path.with_suffix(".yaml")
+        config.write_text(
+            f"http_options: {{host: 127.0.0.1, port: {port}}}\n"
+            f"applications:\n- name: app\n  route_prefix: /\n  import_path: {import_path}\n"
+        )
+        return cls(f"{bin_dir / 'serve'} run {config}", cwd, log_path, port)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, ready_timeout_s: float = 600) -> "ServeRunProcess":
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            ["bash", "-c", self.command], cwd=self.cwd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"`{self.command}` exited {self.proc.returncode} before serving:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise AssertionError(f"`{self.command}` not healthy after {ready_timeout_s} s:\n{self.log_tail()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, chars: int = 8000) -> str:
+        return self.log_text()[-chars:]
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGINT)  # serve run shuts down Serve and the Ray instance it started
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        finally:
+            self._log.close()
+        # Ray's own daemons (raylet, GCS) are in the same session; make sure none outlives the test.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "ServeRunProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
