@@ -120,7 +120,8 @@ class ServeRunProcess:
             pass
 
     def __enter__(self) -> "ServeRunProcess":
-        return self.start()
+        # `with ServeRunProcess(...).start(...) as p` must not start a second process.
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
