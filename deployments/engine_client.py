@@ -20,6 +20,7 @@ from ray import serve
 from mmserve.builtin_engine.launcher import BuiltinEngineProcess
 from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineState, InvalidRequestError, admit
 from mmserve.engine.frame_diagnostics import FrameTrace
+from mmserve.engine.mm_cache import EngineCacheSettings
 from mmserve.multimodal import ImagesRefused, PlaceholderMismatch, ProcessedImages, attach_images
 from mmserve.protocol import EngineEvent, PromptAccepted, RequestRefused, encode_event
 from mmserve.wire import EngineCoreRequest
@@ -48,6 +49,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # The engine's own request counts, as of its last scheduler stats (None: none received).
     engine_running: int | None = None
     engine_waiting: int | None = None
+    # Images sent by hash only (the engine held them); requests resent after an engine cache miss.
+    mm_items_skipped: int = 0
+    mm_cache_miss_resends: int = 0
 
 
 class EngineClientServer:
@@ -62,6 +66,7 @@ class EngineClientServer:
                 health_check_interval_s=config.health_check_interval_s,
                 health_check_timeout_s=config.health_check_timeout_s,
                 trace_frames=config.trace_wire_frames,
+                mm_cache=EngineCacheSettings(endpoint.mm_processor_cache_gb, endpoint.mm_processor_cache_type),
             )
         )
         self.builtin: BuiltinEngineProcess | None = None
@@ -131,6 +136,8 @@ class EngineClientServer:
             requests_sent=self.client.requests_sent,
             engine_running=stats.num_running_reqs if (stats := self.client.scheduler_stats) else None,
             engine_waiting=stats.num_waiting_reqs if stats else None,
+            mm_items_skipped=self.client.mm_items_skipped,
+            mm_cache_miss_resends=self.client.mm_cache_miss_resends,
         )
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:

@@ -34,6 +34,11 @@ class EngineEndpoint(BaseModel):
     # The gateway binds these sockets; binding every interface (tcp://*:PORT, 0.0.0.0, ::)
     # exposes an unauthenticated engine protocol to the network, so it must be asked for.
     allow_all_interfaces: bool = False
+    # The engine's `--mm-processor-cache-gb` / `--mm-processor-cache-type` (vLLM's defaults). The
+    # engine client mirrors that cache to send images the engine holds by hash only; the
+    # handshake does not carry them, so they must match the engine's flags (0 or shm: full data).
+    mm_processor_cache_gb: float = Field(default=4.0, ge=0)
+    mm_processor_cache_type: Literal["lru", "shm"] = "lru"
 
     @field_validator("handshake", "inputs", "outputs")
     @classmethod

@@ -31,6 +31,7 @@ from ..wire import EngineCoreOutput, EngineCoreRequest, EngineDeadMessage, Outpu
 from .errors import EngineDeadError, EngineError, EngineNotReadyError
 from .frame_diagnostics import FrameTrace
 from .guard import InvalidRequestError, admit
+from .mm_cache import EngineCacheSettings, SenderCacheMirror, feature_key
 from .transport import EngineAddresses, EngineTransport
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class EngineClientConfig:
     health_check_timeout_s: float
     # Diagnostics: keep the memory locations of the last N zero-copy frames sent (0 = off).
     trace_frames: int = 0
+    # The engine's multimodal processor cache (its launch flags): what the sender mirror copies.
+    mm_cache: EngineCacheSettings = EngineCacheSettings()
 
 
 class _RequestStream:
@@ -107,6 +110,15 @@ class EngineClient:
         self.output_address: str | None = None
         # ADDs sent to the engine since start (observability: cancellation tests, metrics).
         self.requests_sent = 0
+        # Items sent by hash only (the engine held them), and requests resent after the engine
+        # reported items missing (`mm_cache_miss_hashes`).
+        self.mm_items_skipped = 0
+        self.mm_cache_miss_resends = 0
+        # The engine's multimodal item cache, as far as this sender knows (None: send full data).
+        # Made at each handshake: a restarted engine starts empty.
+        self.mm_mirror: SenderCacheMirror | None = None
+        # ADDs carrying items go out in the order the mirror was updated in.
+        self._add_lock = asyncio.Lock()
         self._release_task: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -137,6 +149,7 @@ class EngineClient:
         # on it (after this one dies) waits for our replacement instead of saying HELLO to a
         # socket nobody reads (a DEALER does not resend it on reconnect).
         self._transport.close_handshake()
+        self.mm_mirror = SenderCacheMirror.for_engine(self.config.mm_cache, self.ready)
         # Watch for disconnects before anything else can go wrong.
         monitor = self._transport.watch_disconnects()
         self._tasks = [
@@ -194,11 +207,26 @@ class EngineClient:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         stream = _RequestStream()
         self._streams[request_id] = stream
+        resent = False
         try:
-            await self._send(self._encoder.encode_add(request))
-            self.requests_sent += 1
+            await self._send_add(request)
             while not stream.finished:
-                yield await stream.next_batch()
+                batch = await stream.next_batch()
+                missing = batch[-1].mm_cache_miss_hashes
+                if missing and not resent:
+                    # The engine lost items we sent by hash (its cache drifted from our mirror):
+                    # resend once, every item with its data; the caller sees a normal answer.
+                    resent = True
+                    self.mm_cache_miss_resends += 1
+                    logger.warning("request %s: engine misses cached items %s; resending with data", request_id, missing)
+                    if self.mm_mirror is not None:
+                        for key in missing:
+                            self.mm_mirror.invalidate(key)
+                    stream = _RequestStream()
+                    self._streams[request_id] = stream
+                    await self._send_add(request, force_data=True)
+                    continue
+                yield batch
         finally:
             self._streams.pop(request_id, None)
             if not stream.finished and self.state is EngineState.READY:
@@ -227,6 +255,24 @@ class EngineClient:
         if self.state is EngineState.STARTING:
             raise EngineNotReadyError("the engine is still starting")
         raise EngineDeadError(self.death_reason or f"engine is {self.state.value}")
+
+    async def _send_add(self, request: EngineCoreRequest, *, force_data: bool = False) -> None:
+        mirror = self.mm_mirror
+        if mirror is None or not request.mm_features:
+            await self._send(self._encoder.encode_add(request))
+            self.requests_sent += 1
+            return
+        async with self._add_lock:
+            features = mirror.prepare(request.mm_features, force_data=force_data)
+            try:
+                await self._send(self._encoder.encode_add(msgspec.structs.replace(request, mm_features=features)))
+            except BaseException:
+                # The engine may not have these items: never send them by hash on our word alone.
+                for feature in request.mm_features:
+                    mirror.invalidate(feature_key(feature))
+                raise
+        self.requests_sent += 1
+        self.mm_items_skipped += sum(1 for f in features if f.data is None)
 
     async def _send(self, frames: list) -> None:
         assert self._transport is not None
