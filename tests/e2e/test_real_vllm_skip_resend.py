@@ -77,6 +77,7 @@ def test_repeated_image_sent_by_hash_miss_resent_restart_resets(serve_instance, 
         # Restart: kill the engine, start a new one on the same port; Serve replaces the engine
         # client, which handshakes with it and starts with an empty mirror.
         engines[0].kill()
+        wait_for(lambda: not _engine_ready(app), 30, "engine client noticed the kill")
         engines.append(HeadlessVllmEngine(tiny_qwen2_vl_dir, port, max_model_len=1024).start())
         wait_for(lambda: _engine_ready(app), 600, "restarted engine ready", interval_s=1.0)
         fifth, fifth_bytes = _sent(app, _ask)
