@@ -12,9 +12,10 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import msgspec
 from ray import serve
 
 from mmserve.builtin_engine.launcher import BuiltinEngineProcess
@@ -22,51 +23,55 @@ from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, En
 from mmserve.engine.frame_diagnostics import FrameTrace
 from mmserve.engine.mm_cache import EngineCacheSettings
 from mmserve.multimodal import ImagesRefused, PlaceholderMismatch, ProcessedImages, attach_images
-from mmserve.protocol import EngineEvent, PromptAccepted, RequestRefused, encode_event
+from mmserve.protocol import EngineEvent, EngineInfo, PromptAccepted, RequestRefused, encode_event
 from mmserve.wire import EngineCoreRequest
-from serve_app.config import AppConfig, EngineEndpoint
 
 logger = logging.getLogger("ray.serve")
 
 
-class EngineInfo(msgspec.Struct, frozen=True):
-    """What the ingress needs to know about one engine."""
+@dataclass(frozen=True)
+class BuiltinEngineOptions:
+    """How this replica starts its built-in engine (`serve_app`'s `builtin_engine` settings)."""
 
-    state: str
-    builtin: bool
-    handshake_address: str | None
-    death_reason: str | None = None
-    vllm_version: str | None = None
-    max_model_len: int | None = None
-    dtype: str | None = None
-    max_num_seqs: int | None = None
-    num_in_flight: int = 0
-    # The built-in engine's process id (None for external engines).
-    builtin_pid: int | None = None
-    bytes_sent: int = 0
-    # ADD messages sent to the engine since this replica started.
-    requests_sent: int = 0
-    # The engine's own request counts, as of its last scheduler stats (None: none received).
-    engine_running: int | None = None
-    engine_waiting: int | None = None
-    # Images sent by hash only (the engine held them); requests resent after an engine cache miss.
-    mm_items_skipped: int = 0
-    mm_cache_miss_resends: int = 0
+    model_dir: Path
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    step_interval_ms: float = 2.0
+
+
+@dataclass(frozen=True)
+class EngineClientSettings:
+    """One engine client's settings, made by `serve_app` from the application's config."""
+
+    addresses: EngineAddresses
+    handshake_timeout_s: float = 900.0
+    health_check_interval_s: float = 1.0
+    health_check_timeout_s: float = 10.0
+    # How long a request waits for a starting engine before it gets a 503.
+    engine_wait_timeout_s: float = 30.0
+    # Engine requests in flight on this engine; beyond, requests are refused (429).
+    max_in_flight: int = 1024
+    # Diagnostics: remember where the last N zero-copy frames lived.
+    trace_wire_frames: int = 0
+    # Set: this replica starts the built-in engine itself.
+    builtin_engine: BuiltinEngineOptions | None = None
+    # The engine's multimodal cache, mirrored to send images it holds by hash only.
+    mm_cache: EngineCacheSettings = EngineCacheSettings()
 
 
 class EngineClientServer:
     """Plain class (testable without Ray): an engine client plus, optionally, its built-in engine."""
 
-    def __init__(self, config: AppConfig, endpoint: EngineEndpoint) -> None:
+    def __init__(self, config: EngineClientSettings) -> None:
         self.config = config
         self.client = EngineClient(
             EngineClientConfig(
-                addresses=EngineAddresses(endpoint.handshake, endpoint.inputs, endpoint.outputs),
+                addresses=config.addresses,
                 handshake_timeout_s=config.handshake_timeout_s,
                 health_check_interval_s=config.health_check_interval_s,
                 health_check_timeout_s=config.health_check_timeout_s,
                 trace_frames=config.trace_wire_frames,
-                mm_cache=EngineCacheSettings(endpoint.mm_processor_cache_gb, endpoint.mm_processor_cache_type),
+                mm_cache=config.mm_cache,
             )
         )
         self.builtin: BuiltinEngineProcess | None = None
@@ -76,11 +81,10 @@ class EngineClientServer:
         """Bind now; complete the handshake in the background (the engine may take minutes)."""
         self.client.bind()
         logger.info("engine client listening for an engine on %s", self.client.handshake_address)
-        if self.config.uses_builtin_engine:
-            options = self.config.builtin_engine
+        if (options := self.config.builtin_engine) is not None:
             self.builtin = BuiltinEngineProcess.start(
                 handshake=self.client.handshake_address,
-                model_dir=self.config.model_dir,
+                model_dir=options.model_dir,
                 max_model_len=options.max_model_len,
                 max_num_seqs=options.max_num_seqs,
                 step_interval_ms=options.step_interval_ms,
@@ -95,7 +99,7 @@ class EngineClientServer:
         """Stream the request's outputs. With images (resolved by Ray from the preprocessor's
         response, zero-copy), expand their placeholders first and announce the final prompt."""
         ready = await self.client.wait_ready(self.config.engine_wait_timeout_s)
-        limit = self.config.limits.max_in_flight_per_engine
+        limit = self.config.max_in_flight
         # Client-caused refusals are events, not exceptions (see RequestRefused).
         if self.client.num_in_flight >= limit:
             yield EngineEvent(refused=RequestRefused("overloaded", f"the engine has {limit} requests in flight; retry shortly"))
@@ -226,8 +230,8 @@ def _log_start_failure(task: asyncio.Task[Any]) -> None:
     health_check_timeout_s=10,
 )
 class EngineClientDeployment:
-    async def __init__(self, config: dict[str, Any], endpoint: dict[str, Any]) -> None:
-        self.server = EngineClientServer(AppConfig.model_validate(config), EngineEndpoint.model_validate(endpoint))
+    async def __init__(self, settings: EngineClientSettings) -> None:
+        self.server = EngineClientServer(settings)
         self._callers = CallerWatch()
         await self.server.start()
 

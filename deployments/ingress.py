@@ -1,7 +1,8 @@
-"""Ingress deployment: the OpenAI HTTP API (FastAPI) over `OpenAIServer`.
+"""Ingress deployment: the OpenAI HTTP API (FastAPI), a thin shell over `mmserve.openai.OpenAIServer`.
 
-The request body is read and size-checked before parsing, parsed by pydantic in strict mode
-straight from bytes, and every failure leaves as OpenAI's error JSON.
+The request body is read and size-checked before parsing (`mmserve.openai.intake`), parsed by
+pydantic in strict mode straight from bytes, and every failure leaves as OpenAI's error JSON,
+recognised by type (`mmserve.openai.errors`).
 
 No `from __future__ import annotations` here: the route annotations must be real objects.
 `@serve.ingress` pickles the FastAPI app by value for its replicas, and a route function pickled
@@ -27,14 +28,15 @@ from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.config import AppConfig
-from serve_app.errors import OpenAIError, bad_request
-from serve_app.intake import BodyCaps, BudgetLease, ByteBudget, CountLimits, ShapeChecker, read_body, scan_data_uris
-from serve_app.observability import CLIENT_CLOSED, Metrics, RequestRecord, send_request_log_to
-from serve_app.openai_serving import OpenAIServer
-from serve_app.schemas import ChatCompletionRequest, CompletionRequest
+from mmserve.openai.errors import OpenAIError, bad_request, internal_error, openai_error
+from mmserve.openai.intake import BodyCaps, BudgetLease, ByteBudget, CountLimits, ShapeChecker, read_body, scan_data_uris
+from mmserve.openai.metrics import CLIENT_CLOSED, Metrics, RequestRecord, send_request_log_to
+from mmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
+from mmserve.openai.serving import OpenAIServer
+from mmserve.openai.settings import ServingSettings
+from mmserve.openai.sse import ErrorEvent
 
-from .router import EngineHandleRouter
+from .router import engine_router
 
 logger = logging.getLogger("ray.serve")
 
@@ -58,8 +60,11 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 @api.exception_handler(Exception)
 async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unexpected error while serving a request")
-    return _error_response(OpenAIError(f"internal error: {type(exc).__name__}", status=500))
+    error = openai_error(exc)
+    if error is None:
+        logger.exception("unexpected error while serving a request")
+        error = internal_error(exc)
+    return _error_response(error)
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -77,24 +82,22 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 @serve.ingress(api)
 class Ingress:
     def __init__(
-        self, config: dict[str, Any], engines: list[DeploymentHandle], preprocessor: DeploymentHandle | None = None
+        self, settings: ServingSettings, engines: list[DeploymentHandle], preprocessor: DeploymentHandle | None = None
     ) -> None:
-        self.config = AppConfig.model_validate(config)
-        self.router = EngineHandleRouter(
-            engines, preprocessor=preprocessor, wait_timeout_s=self.config.engine_wait_timeout_s
-        )
+        self.settings = settings
+        self.router = engine_router(engines, preprocessor, settings.engine_wait_timeout_s)
         self.metrics = Metrics()
         send_request_log_to(logger)
-        self.server = OpenAIServer(self.config, self.router, self.metrics)
-        limits = self.config.limits
-        self.body_caps = BodyCaps.from_config(self.config, images_allowed=self.server.image_family is not None)
+        self.server = OpenAIServer(settings, self.router, self.metrics)
+        limits = settings.limits
+        self.body_caps = BodyCaps.from_settings(settings, images_allowed=self.server.image_family is not None)
         self.budget = ByteBudget(limits.ingress_body_budget_bytes, limits.small_request_bytes)
-        self.shapes = ShapeChecker(CountLimits.from_config(self.config))
-        key = self.config.api_key or os.environ.get("MMSERVE_API_KEY") or None
+        self.shapes = ShapeChecker(CountLimits.from_settings(settings))
+        key = settings.api_key or os.environ.get("MMSERVE_API_KEY") or None
         self._api_key = key.encode() if key else None
         logger.info(
             "mmserve ingress serving %s from %s (API key %s)",
-            self.server.model_name, self.config.model_dir, "required" if self._api_key else "not required",
+            self.server.model_name, settings.model_dir, "required" if self._api_key else "not required",
         )
 
     def _authorize(self, request: Request) -> None:
@@ -127,10 +130,6 @@ class Ingress:
             body = await self._parse(request, model, endpoint == "chat", record.lease)
             record.stream = bool(getattr(body, "stream", False))
             result = await call(body, record)
-        except OpenAIError as exc:
-            record.status, record.error = exc.status, exc.message
-            self._finish(record)
-            return _error_response(exc)
         except asyncio.CancelledError:
             # The client went away (Serve cancels the handler): not an error of ours.
             record.status, record.error = CLIENT_CLOSED, "client disconnected"
@@ -142,10 +141,15 @@ class Ingress:
             self._finish(record)
             return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
-            logger.exception("unexpected error while serving a request")
-            record.status, record.error = 500, type(exc).__name__
+            error = openai_error(exc)
+            if error is None:
+                logger.exception("unexpected error while serving a request")
+                error = internal_error(exc)
+                record.status, record.error = 500, type(exc).__name__
+            else:
+                record.status, record.error = error.status, error.message
             self._finish(record)
-            return _error_response(OpenAIError(f"internal error: {type(exc).__name__}", status=500))
+            return _error_response(error)
         if isinstance(result, AsyncIterator):
             return StreamingResponse(self._recorded_stream(result, record), media_type="text/event-stream")
         self._finish(record)
@@ -155,7 +159,7 @@ class Ingress:
         completed = False
         try:
             async for chunk in chunks:
-                if chunk.startswith('data: {"error"'):
+                if isinstance(chunk, ErrorEvent):
                     record.error = "error event in stream"
                 yield chunk
             completed = True

@@ -1,4 +1,4 @@
-"""Preprocessor deployment: the CPU-heavy image tier, autoscaled on its own.
+"""Preprocessor deployment: the CPU-heavy image tier, autoscaled on its own, with its options beside it.
 
 Its return value (`ProcessedImages`, numpy arrays inside) is written once to the Ray object
 store; the ingress passes the response on to the engine client without awaiting it, so the
@@ -8,51 +8,79 @@ pixels go from this replica to the engine client's ZMQ socket with no further co
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ray import serve
 
+from mmserve.fetch import FetchPolicy
 from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages, load_image_family
 from mmserve.multimodal.errors import ImageInputError
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
-from mmserve.vision import ImageLimits, resize_path
-from mmserve.fetch import FetchPolicy
-from serve_app.config import AppConfig, ImagesConfig
+from mmserve.vision import resize_path
 
 logger = logging.getLogger("ray.serve")
 
 
-def fetch_policy(images: ImagesConfig) -> FetchPolicy:
-    return FetchPolicy(
-        max_image_bytes=images.max_image_bytes,
-        fetch_timeout_s=images.fetch_timeout_s,
-        max_redirects=images.max_redirects,
-        allow_private_networks=images.allow_private_networks,
-        allowed_hosts=tuple(images.allowed_hosts),
-        allowed_local_dir=images.allowed_local_dir,
-    )
+@dataclass(frozen=True)
+class PreprocessorSettings:
+    """What one preprocessor replica needs, made by `serve_app` from the application's config."""
+
+    model_dir: Path
+    fetch: FetchPolicy
+    limits: PreprocessorLimits
+    cache_bytes: int = 256 * 1024 * 1024
+    pixel_mode: str = "device_normalize"  # for the start-up log: the ingress asks per request
 
 
-def build_preprocessor(config: AppConfig) -> ImagePreprocessor:
-    family = load_image_family(config.model_dir)
+@dataclass(frozen=True)
+class PreprocessorScaling:
+    """The deployment's CPU reservation, autoscaling and queue (`preprocessor.*` in the config)."""
+
+    num_cpus: float = 1.0
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_ongoing_requests: float = 2.0
+    upscale_delay_s: float = 2.0
+    downscale_delay_s: float = 10.0
+    look_back_period_s: float = 2.0
+    max_ongoing_requests: int = 8
+    # Requests waiting for a preprocessor replica; beyond: 503 with Retry-After.
+    max_queued_requests: int = 64
+
+    def options(self) -> dict[str, Any]:
+        """`PreprocessorDeployment.options(...)` for this scaling."""
+        return {
+            "ray_actor_options": {"num_cpus": self.num_cpus},
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "autoscaling_config": {
+                "min_replicas": self.min_replicas,
+                "max_replicas": self.max_replicas,
+                "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
+                "look_back_period_s": self.look_back_period_s,
+                "metrics_interval_s": min(1.0, self.look_back_period_s / 2),
+            },
+        }
+
+
+def build_preprocessor(settings: PreprocessorSettings) -> ImagePreprocessor:
+    family = load_image_family(settings.model_dir)
     if family is None:
-        raise ValueError(f"{config.model_dir} is not a vision model this gateway can preprocess for")
-    images = config.images
-    limits = PreprocessorLimits(
-        max_images_per_request=images.max_images_per_request,
-        image=ImageLimits(max_bytes=images.max_image_bytes, max_pixels=images.max_image_pixels),
-    )
-    return ImagePreprocessor(family, fetch_policy(images), limits, cache_bytes=images.cache_bytes)
+        raise ValueError(f"{settings.model_dir} is not a vision model this gateway can preprocess for")
+    return ImagePreprocessor(family, settings.fetch, settings.limits, cache_bytes=settings.cache_bytes)
 
 
 @serve.deployment(name="Preprocessor")
 class PreprocessorDeployment:
-    def __init__(self, config: dict[str, Any]) -> None:
-        app_config = AppConfig.model_validate(config)
-        self.preprocessor = build_preprocessor(app_config)
+    def __init__(self, settings: PreprocessorSettings) -> None:
+        self.preprocessor = build_preprocessor(settings)
         logger.info(
             "preprocessor for %s images (pixel mode %s; image resize path: %s)",
-            self.preprocessor.family.name, app_config.images.pixel_mode, resize_path(),
+            self.preprocessor.family.name, settings.pixel_mode, resize_path(),
         )
 
     async def process(self, request: ImageBatchRequest) -> ProcessedImages | ImagesRefused:
@@ -62,21 +90,3 @@ class PreprocessorDeployment:
         except ImageInputError as exc:
             logger.info("image refused: %s", str(exc)[:300])
             return ImagesRefused(str(exc), exc.index)
-
-
-def preprocessor_options(config: AppConfig) -> dict[str, Any]:
-    p = config.preprocessor
-    return {
-        "ray_actor_options": {"num_cpus": p.num_cpus},
-        "max_ongoing_requests": p.max_ongoing_requests,
-        "max_queued_requests": p.max_queued_requests,
-        "autoscaling_config": {
-            "min_replicas": p.min_replicas,
-            "max_replicas": p.max_replicas,
-            "target_ongoing_requests": p.target_ongoing_requests,
-            "upscale_delay_s": p.upscale_delay_s,
-            "downscale_delay_s": p.downscale_delay_s,
-            "look_back_period_s": p.look_back_period_s,
-            "metrics_interval_s": min(1.0, p.look_back_period_s / 2),
-        },
-    }

@@ -1,4 +1,4 @@
-"""The gateway's own inter-tier protocol: what the engine-client deployment streams to the ingress over Ray.
+"""The gateway's own inter-tier protocol: what the engine-client deployment streams and reports to the ingress over Ray.
 
 Not vLLM's wire (that is `mmserve/wire`, which mirrors vLLM only). An engine request's stream is a
 sequence of `EngineEvent`s, msgpack-encoded: Ray moves bytes without pickling them, which is most
@@ -49,6 +49,31 @@ class GatewayBusyError(Exception):
     def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """What the ingress needs to know about one engine."""
+
+    state: str
+    builtin: bool
+    handshake_address: str | None
+    death_reason: str | None = None
+    vllm_version: str | None = None
+    max_model_len: int | None = None
+    dtype: str | None = None
+    max_num_seqs: int | None = None
+    num_in_flight: int = 0
+    # The built-in engine's process id (None for external engines).
+    builtin_pid: int | None = None
+    bytes_sent: int = 0
+    # ADD messages sent to the engine since this replica started.
+    requests_sent: int = 0
+    # The engine's own request counts, as of its last scheduler stats (None: none received).
+    engine_running: int | None = None
+    engine_waiting: int | None = None
+    # Images sent by hash only (the engine held them); requests resent after an engine cache miss.
+    mm_items_skipped: int = 0
+    mm_cache_miss_resends: int = 0
 
 
 _event_encoder = msgspec.msgpack.Encoder()

@@ -1,7 +1,8 @@
 """Application builder: `serve run serve_app:build_app key=value ...` or `serve_app:app`.
 
 Builds one engine-client deployment per engine (each a single replica: it owns that
-engine's sockets) and the ingress, which holds their handles.
+engine's sockets), the preprocessor for vision models, and the ingress, which holds their
+handles; each gets its own plain settings (`settings.py`), never the whole `AppConfig`.
 """
 
 from __future__ import annotations
@@ -19,25 +20,26 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     # Imported here so that `import serve_app` stays light for tools and tests.
     from deployments.engine_client import EngineClientDeployment
     from deployments.ingress import Ingress
-    from deployments.preprocessor import PreprocessorDeployment, preprocessor_options
+    from deployments.preprocessor import PreprocessorDeployment
     from mmserve.multimodal import load_image_family
     from mmserve.vision import resize_path
 
+    from .settings import engine_client_settings, preprocessor_scaling, preprocessor_settings, serving_settings
+
     config = AppConfig.model_validate(args or {})
-    config_dict = config.model_dump(mode="json")
     actor_options = {"num_cpus": 0, "resources": dict(config.engine_client_resources)}
     engines = [
         EngineClientDeployment.options(name=f"EngineClient{i}", ray_actor_options=actor_options).bind(
-            config_dict, endpoint.model_dump(mode="json")
+            engine_client_settings(config, endpoint)
         )
         for i, endpoint in enumerate(config.engine_endpoints())
     ]
     preprocessor = None
     if load_image_family(config.model_dir) is not None:
-        preprocessor = PreprocessorDeployment.options(**preprocessor_options(config)).bind(config_dict)
+        preprocessor = PreprocessorDeployment.options(**preprocessor_scaling(config).options()).bind(preprocessor_settings(config))
         # Said here, in the `serve run` process whose output the user watches (the replicas' own
         # start-up logs go to Ray's log files); the replicas run from the same environment.
         logging.getLogger("ray.serve").info("mmserve image resize path: %s", resize_path())
     return Ingress.options(
         num_replicas=config.ingress_replicas, max_queued_requests=config.limits.ingress_max_queued_requests
-    ).bind(config_dict, engines, preprocessor)
+    ).bind(serving_settings(config), engines, preprocessor)

@@ -7,9 +7,8 @@
 - No module over 400 lines, no class over 250 lines.
 - Every module opens with a docstring whose first line says what it holds.
 
-`UPWARD_IMPORTS` and `OVERSIZED` are today's exceptions, all in the request path that issue 9's
-upper half rewrites. They may only shrink: an entry that no longer applies fails the test, so
-whoever fixes one removes it here too.
+`UPWARD_IMPORTS` and `OVERSIZED` name exceptions, and are empty: an entry that no longer
+applies fails the test too, so they cannot silently grow stale.
 """
 
 from __future__ import annotations
@@ -40,36 +39,22 @@ MMSERVE_DEPENDS_ON: dict[str, set[str]] = {
     "mmserve.text": {"mmserve.model_files", "mmserve.tokenizer_files"},
     "mmserve.multimodal": {"mmserve.wire", "mmserve.model_files", "mmserve.fetch", "mmserve.vision", "mmserve.text"},
     "mmserve.builtin_engine": {"mmserve.wire", "mmserve.model_files"},
+    "mmserve.openai": {
+        "mmserve.wire", "mmserve.protocol", "mmserve.engine", "mmserve.text", "mmserve.multimodal", "mmserve.vision",
+    },
 }
 
 # The engine client's whole world outside the standard library.
 ENGINE_THIRD_PARTY = {"zmq", "msgspec", "numpy"}
 FORBIDDEN = {"vllm", "torch", "transformers"}
 
-# Issue 9's upper half removes these: deployments must stop importing the application
-# (config split per deployment, the serving logic moved below deployments, errors and
-# EngineLimits in a neutral module). (importing module, imported module)
-UPWARD_IMPORTS = {
-    ("deployments.engine_client", "serve_app.config"),
-    ("deployments.ingress", "serve_app.config"),
-    ("deployments.ingress", "serve_app.errors"),
-    ("deployments.ingress", "serve_app.intake"),
-    ("deployments.ingress", "serve_app.observability"),
-    ("deployments.ingress", "serve_app.openai_serving"),
-    ("deployments.ingress", "serve_app.schemas"),
-    ("deployments.preprocessor", "serve_app.config"),
-    ("deployments.router", "serve_app.openai_serving"),
-}
+# Exceptions to the layer rule, (importing module, imported module): none. Keep it empty.
+UPWARD_IMPORTS: set[tuple[str, str]] = set()
 
 MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 250
-# Issue 9's upper half removes these by splitting the request path by stage (input processing,
-# n > 1 fan-out, output processing, SSE rendering, one error table). Path or "path::Class".
-OVERSIZED = {
-    "serve_app/openai_serving.py",
-    "serve_app/openai_serving.py::OpenAIServer",
-    "serve_app/validation.py",
-}
+# Exceptions to the size limits, "path" or "path::Class": none. Keep it empty.
+OVERSIZED: set[str] = set()
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,43 @@ from .errors import EngineError
 class InvalidRequestError(EngineError, ValueError):
     """The request would fail (or crash) the engine: the client's mistake (`param` names the field)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        # OpenAI's machine-readable error code, e.g. "context_length_exceeded".
+        self.code = code
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def context_exceeded(max_model_len: int, prompt_len: int, param: str = "messages") -> InvalidRequestError:
+    """A prompt that leaves no room for output (the context rule's first half, worded as vLLM does)."""
+    return InvalidRequestError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+        f"{prompt_len} input tokens, which leaves no room for any output tokens. Please reduce the length "
+        "of the input prompt.",
+        param,
+        CONTEXT_LENGTH_EXCEEDED,
+    )
+
+
+def fit_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, prompt_param: str = "messages") -> int:
+    """The context rule, its one home: the prompt must leave room for output, and prompt plus
+    `max_tokens` must fit the context. Returns `max_tokens`, or (unset) what is left of the context."""
+    if prompt_len >= max_model_len:
+        raise context_exceeded(max_model_len, prompt_len, prompt_param)
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if prompt_len + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion.",
+            "max_tokens",
+            CONTEXT_LENGTH_EXCEEDED,
+        )
+    return max_tokens
 
 
 def admit(request: EngineCoreRequest, max_model_len: int) -> EngineCoreRequest:
@@ -30,26 +64,10 @@ def admit(request: EngineCoreRequest, max_model_len: int) -> EngineCoreRequest:
         check_features(prompt, request.mm_features)
     if not prompt:
         raise InvalidRequestError("the prompt is empty", "messages")
-    if len(prompt) >= max_model_len:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
-            f"{len(prompt)} input tokens, which leaves no room for any output tokens. Please reduce the length "
-            "of the input prompt.",
-            "messages",
-        )
     sampling = request.sampling_params
+    max_tokens = fit_max_tokens(len(prompt), sampling.max_tokens if sampling is not None else None, max_model_len)
     if sampling is None:
         raise InvalidRequestError("a generate request needs sampling parameters")
-    max_tokens = sampling.max_tokens
-    if max_tokens is None:
-        max_tokens = max_model_len - len(prompt)
-    elif len(prompt) + max_tokens > max_model_len:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in the completion). "
-            "Please reduce the length of the messages or completion.",
-            "max_tokens",
-        )
     if max_tokens < 1 or sampling.min_tokens > max_tokens:
         raise InvalidRequestError(f"min_tokens ({sampling.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
     if sampling.n != 1:

@@ -26,9 +26,11 @@ from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimit
 from mmserve.protocol import EngineEvent  # noqa: E402
 from mmserve.fetch import FetchPolicy  # noqa: E402
 from mmserve.wire import EngineCoreOutput, FinishReason, OutputDecoder, RequestEncoder  # noqa: E402
+from mmserve.openai.engine_router import EngineLimits  # noqa: E402
+from mmserve.openai.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from mmserve.openai.serving import OpenAIServer  # noqa: E402
 from serve_app.config import BUILTIN_MODEL_DIR, AppConfig  # noqa: E402
-from serve_app.openai_serving import EngineLimits, OpenAIServer  # noqa: E402
-from serve_app.schemas import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from serve_app.settings import serving_settings  # noqa: E402
 
 # The reference implementation: installed by scripts/setup.sh; a missing vllm is a failure, not a skip.
 import torch  # noqa: E402
@@ -86,7 +88,7 @@ CHAT_BODIES = [
 @pytest.fixture(scope="module")
 def captured() -> list:
     router = CapturingRouter()
-    server = OpenAIServer(AppConfig(), router)
+    server = OpenAIServer(serving_settings(AppConfig()), router)
 
     async def run_all() -> None:
         for body in CHAT_BODIES:

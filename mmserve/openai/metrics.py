@@ -57,7 +57,7 @@ class RequestRecord:
     last_token_at: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
     error: str | None = None
-    # The request's share of the ingress byte budget (serve_app.intake.BudgetLease), released at the end.
+    # The request's share of the ingress byte budget (intake.BudgetLease), released at the end.
     lease: object | None = field(default=None, repr=False)
 
     def log_fields(self) -> dict:

@@ -1,14 +1,12 @@
-"""Request checks that vLLM's front-end would make, made here before anything reaches an engine.
+"""Structured outputs (`structured_outputs`, `response_format`) checked as vLLM 0.32's front-end does, and the engine's parameters built.
 
-Going direct to EngineCore skips vLLM's own API-server validation, and the engine treats
-some bad values as fatal. Each check names the offending field in the 400 it raises.
-Ranges follow `vllm.sampling_params.SamplingParams._verify_args` (vLLM 0.32).
+JSON schemas, regexes, grammars and choices are checked for what the engine's xgrammar backend
+would refuse or die on; each failure is a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
@@ -21,17 +19,9 @@ except ImportError:  # pragma: no cover
 
 from mmserve.wire import StructuredOutputsParams
 
-from .config import LimitsConfig
 from .errors import bad_request
-from .schemas import ChatCompletionRequest, CompletionRequest, SamplingRequestFields, StructuredOutputsRequest
+from .protocol import SamplingRequestFields, StructuredOutputsRequest
 
-_INT64_MIN, _INT64_MAX, _UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
-
-# Caps on request-sized inputs (vLLM's are in brackets where it has one).
-MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_TOKEN_ID_LIST = 4096  # stop_token_ids, allowed_token_ids
-MAX_BAD_WORDS_TOKEN_SEQUENCES = 128  # [VLLM_MAX_NUM_BAD_WORDS]
-MAX_BAD_WORD_CHARS = 512
 MAX_JSON_NESTING = 64  # [MAX_STRUCTURED_OUTPUT_JSON_NESTING]
 MAX_SCHEMA_CHARS = 256 * 1024
 MAX_REGEX_CHARS = 16 * 1024
@@ -42,140 +32,6 @@ MAX_CHOICE_CHARS = 4096
 # engine keeps the backend of its first structured request, so only xgrammar is used.
 STRUCTURED_BACKEND = "xgrammar"
 
-
-def _check_unsupported(request: SamplingRequestFields) -> None:
-    if request.truncate_prompt_tokens is not None:
-        raise bad_request("truncate_prompt_tokens is not supported by this server", "truncate_prompt_tokens")
-    if request.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs are not supported by this server yet", "prompt_logprobs")
-
-
-def check_chat_request(request: ChatCompletionRequest) -> None:
-    _check_unsupported(request)
-    if request.logprobs or request.top_logprobs:
-        raise bad_request("logprobs are not supported by this server yet", "logprobs")
-    if request.tools:
-        raise bad_request("tool calling is not supported by this server yet", "tools")
-    if request.add_generation_prompt and request.continue_final_message:
-        raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
-    if request.max_completion_tokens is not None and request.max_tokens is not None and request.max_completion_tokens != request.max_tokens:
-        raise bad_request("max_tokens and max_completion_tokens disagree; send one of them", "max_completion_tokens")
-
-
-def check_completion_request(request: CompletionRequest) -> None:
-    _check_unsupported(request)
-    if request.echo:
-        raise bad_request("echo is not supported by this server yet", "echo")
-    if request.suffix:
-        raise bad_request("suffix is not supported by this server", "suffix")
-    if request.logprobs is not None:
-        raise bad_request("logprobs are not supported by this server yet", "logprobs")
-
-
-def check_token_ids(token_ids: list[int], max_token_id: int, param: str) -> None:
-    for token_id in token_ids:
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
-            raise bad_request(f"token ids must be integers, got {token_id!r}", param)
-        if not 0 <= token_id <= max_token_id:
-            raise bad_request(f"token id {token_id} is out of vocabulary (0..{max_token_id})", param)
-
-
-def _finite(value: float | None, param: str) -> None:
-    if value is not None and not math.isfinite(value):
-        raise bad_request(f"{param} must be a finite number, got {value}", param)
-
-
-def check_sampling(request: SamplingRequestFields, max_tokens: int, limits: LimitsConfig, max_token_id: int) -> None:
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        _finite(getattr(request, name), name)
-    if not 1 <= request.n <= limits.max_n:
-        raise bad_request(f"n must be between 1 and {limits.max_n}, got {request.n}", "n")
-    if request.temperature is not None and not 0.0 <= request.temperature <= 2.0:
-        raise bad_request(f"temperature must be in [0, 2], got {request.temperature}", "temperature")
-    if request.top_p is not None and not 0.0 < request.top_p <= 1.0:
-        raise bad_request(f"top_p must be in (0, 1], got {request.top_p}", "top_p")
-    if request.top_k is not None and not -1 <= request.top_k <= _INT64_MAX:
-        raise bad_request(f"top_k must be -1 or 0 (disabled), or at least 1, got {request.top_k}", "top_k")
-    if request.n > 1 and request.temperature is not None and request.temperature < 1e-5:
-        # vLLM's SamplingParams._verify_greedy_sampling.
-        raise bad_request(f"n must be 1 when using greedy sampling (temperature=0), got {request.n}", "n")
-    if request.min_p is not None and not 0.0 <= request.min_p <= 1.0:
-        raise bad_request(f"min_p must be in [0, 1], got {request.min_p}", "min_p")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(request, name)
-        if value is not None and not -2.0 <= value <= 2.0:
-            raise bad_request(f"{name} must be in [-2, 2], got {value}", name)
-    if request.repetition_penalty is not None and request.repetition_penalty <= 0.0:
-        raise bad_request(f"repetition_penalty must be greater than zero, got {request.repetition_penalty}", "repetition_penalty")
-    if max_tokens < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    if request.min_tokens < 0:
-        raise bad_request(f"min_tokens must be at least 0, got {request.min_tokens}", "min_tokens")
-    if request.min_tokens > max_tokens:
-        raise bad_request(f"min_tokens must be at most max_tokens={max_tokens}, got {request.min_tokens}", "min_tokens")
-    if request.seed is not None and not _INT64_MIN <= request.seed <= _UINT64_MAX:
-        raise bad_request("seed must fit in 64 bits", "seed")
-    stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
-    if len(stop) > limits.max_stop_strings:
-        raise bad_request(f"at most {limits.max_stop_strings} stop strings are allowed", "stop")
-    for s in stop:
-        if not s:
-            raise bad_request("stop cannot contain an empty string", "stop")
-        if len(s) > limits.max_stop_string_chars:
-            raise bad_request(f"stop strings are limited to {limits.max_stop_string_chars} characters", "stop")
-    for name in ("stop_token_ids", "allowed_token_ids"):
-        ids = getattr(request, name)
-        if ids is not None and len(ids) > MAX_TOKEN_ID_LIST:
-            raise bad_request(f"{name} is limited to {MAX_TOKEN_ID_LIST} token ids", name)
-        check_token_ids(ids or [], max_token_id, name)
-    if request.allowed_token_ids is not None and not request.allowed_token_ids:
-        raise bad_request("allowed_token_ids cannot be an empty list", "allowed_token_ids")
-    for word in request.bad_words or []:
-        if not word or not word.strip():
-            raise bad_request("bad_words cannot contain an empty or blank string", "bad_words")
-        if len(word) > MAX_BAD_WORD_CHARS:
-            raise bad_request(f"bad_words entries are limited to {MAX_BAD_WORD_CHARS} characters", "bad_words")
-    if request.bad_words and len(request.bad_words) > MAX_BAD_WORDS_TOKEN_SEQUENCES:
-        raise bad_request(f"at most {MAX_BAD_WORDS_TOKEN_SEQUENCES} bad_words are allowed", "bad_words")
-    if request.logit_bias and len(request.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise bad_request(f"logit_bias is limited to {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias")
-    for key, bias in (request.logit_bias or {}).items():
-        try:
-            if not key.strip().lstrip("+-").isdigit():
-                raise ValueError(key)
-            token_id = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-        check_token_ids([token_id], max_token_id, "logit_bias")
-        if not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
-            raise bad_request(f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
-
-
-def bad_words_token_ids(bad_words: list[str], encode, max_token_id: int) -> list[list[int]] | None:
-    """`SamplingParams.update_from_tokenizer` of vLLM 0.32: each bad word as token ids, with
-    and without a leading space. The engine reads only these ids, never `bad_words`."""
-    if not bad_words:
-        return None
-    sequences: list[list[int]] = []
-    for word in dict.fromkeys(bad_words):
-        for add_prefix_space in (False, True):
-            ids = encode((" " if add_prefix_space else "") + word.lstrip())
-            if not ids:
-                if not add_prefix_space:
-                    raise bad_request(f"bad_words entry {word[:40]!r} does not tokenize to any token", "bad_words")
-                continue
-            if not add_prefix_space or (ids[0] != sequences[-1][0] and len(ids) == len(sequences[-1])):
-                sequences.append(ids)
-                if len(sequences) > MAX_BAD_WORDS_TOKEN_SEQUENCES:
-                    raise bad_request(
-                        f"too many bad words after tokenization: at most {MAX_BAD_WORDS_TOKEN_SEQUENCES}", "bad_words"
-                    )
-    for ids in sequences:
-        check_token_ids(ids, max_token_id, "bad_words")
-    return sequences
-
-
-# ----------------------------------------------------------------------------- structured outputs
 
 _JSON_TYPES = {"string", "number", "integer", "boolean", "object", "array", "null"}
 # xgrammar's supported string formats (vllm/v1/structured_output/backend_xgrammar.py).

@@ -7,7 +7,7 @@ skip_special_tokens, include_stop_str_in_output, return_token_ids, structured_ou
 bad_words, allowed_token_ids) are accepted too; a few vLLM fields this server does not
 implement (truncate_prompt_tokens, prompt_logprobs) are parsed only to be refused with a 400.
 Unknown fields are ignored, as OpenAI and vLLM do. Ranges and cross-field rules are checked
-in `validation.py`.
+in `request_checks.py` and `structured_outputs.py`.
 """
 
 from __future__ import annotations

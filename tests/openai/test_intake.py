@@ -8,9 +8,11 @@ import json
 
 import pytest
 
+from mmserve.openai.errors import OpenAIError
+from mmserve.openai.settings import ServingSettings
 from serve_app.config import AppConfig
-from serve_app.errors import OpenAIError
-from serve_app.intake import (
+from serve_app.settings import serving_settings
+from mmserve.openai.intake import (
     BodyCaps,
     ByteBudget,
     CountLimits,
@@ -23,12 +25,13 @@ from serve_app.intake import (
 MiB = 1024 * 1024
 
 
-def _config(**limits) -> AppConfig:
-    return AppConfig.model_validate({"limits": limits, "images": {"max_images_per_request": 2, "max_image_bytes": MiB}})
+def _config(**limits) -> ServingSettings:
+    """The ingress's settings for this application config (the builder's translation)."""
+    return serving_settings(AppConfig.model_validate({"limits": limits, "images": {"max_images_per_request": 2, "max_image_bytes": MiB}}))
 
 
 def _caps(images_allowed: bool = True, **limits) -> BodyCaps:
-    return BodyCaps.from_config(_config(max_request_bytes=64 * 1024, **limits), images_allowed)
+    return BodyCaps.from_settings(_config(max_request_bytes=64 * 1024, **limits), images_allowed)
 
 
 async def _chunks(body: bytes, size: int = 8192):
@@ -135,7 +138,7 @@ def test_budget_refuses_large_bodies_past_it_and_always_admits_small_ones():
 
 def test_declared_length_is_admitted_by_the_budget_before_the_body_is_read():
     budget = ByteBudget(limit_bytes=1 * MiB, small_bytes=1024)
-    caps = BodyCaps.from_config(_config(max_request_bytes=4 * MiB), True)
+    caps = BodyCaps.from_settings(_config(max_request_bytes=4 * MiB), True)
     with pytest.raises(OpenAIError) as exc:
         _read(b"x" * 700_000, caps, budget=budget)
     assert exc.value.status == 503 and budget.used == 0

@@ -11,7 +11,7 @@ Order, each step cheaper than the one it protects:
    the structure pydantic will build stays small whatever the body's size;
 4. a msgspec pass over the body's shape (messages, content parts, stop strings, tools) with the
    configured counts as `max_length` constraints, ≈20× cheaper than the pydantic parse it guards;
-5. only then pydantic (`schemas.py`), which gives the field-by-field 400s.
+5. only then pydantic (`protocol.py`), which gives the field-by-field 400s.
 
 Plain classes, testable without Ray or HTTP; the ingress deployment wires them to Starlette.
 """
@@ -26,8 +26,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from .config import AppConfig
 from .errors import OpenAIError, bad_request
+from .settings import ServingSettings
 
 # An image part's marker, and a data URI as a JSON string value of "url" (no escapes inside:
 # base64 never needs them, and a string with escapes is counted as text, never exempted).
@@ -52,11 +52,11 @@ class BodyCaps:
     images_allowed: bool  # the model takes images (chat route only)
 
     @classmethod
-    def from_config(cls, config: AppConfig, images_allowed: bool) -> "BodyCaps":
+    def from_settings(cls, settings: ServingSettings, images_allowed: bool) -> "BodyCaps":
         return cls(
-            text_bytes=config.limits.max_request_bytes,
-            max_images=config.images.max_images_per_request,
-            max_data_uri_chars=base64_chars(config.images.max_image_bytes) + 256,
+            text_bytes=settings.limits.max_request_bytes,
+            max_images=settings.max_images_per_request,
+            max_data_uri_chars=base64_chars(settings.max_image_bytes) + 256,
             images_allowed=images_allowed,
         )
 
@@ -198,8 +198,8 @@ class CountLimits:
     max_tools: int
 
     @classmethod
-    def from_config(cls, config: AppConfig) -> "CountLimits":
-        limits = config.limits
+    def from_settings(cls, settings: ServingSettings) -> "CountLimits":
+        limits = settings.limits
         return cls(
             max_messages=limits.max_messages,
             max_content_parts=limits.max_content_parts,
@@ -245,7 +245,7 @@ class ShapeChecker:
                 return  # a type error: pydantic reports it in its own words
             param = _param_of(message)
             if param is not None and param.startswith("stop."):
-                param = "stop"  # as validation.py names it for every stop-string rule
+                param = "stop"  # as request_checks.py names it for every stop-string rule
             raise bad_request(_count_message(message, self.limits), param) from None
         except msgspec.DecodeError as exc:
             raise bad_request(f"Invalid JSON body: {exc}") from None

@@ -1,0 +1,5 @@
+"""The OpenAI API over engine clients, as plain classes: protocol, serving per endpoint, the request path by stage, the error table, routing.
+
+Nothing here imports Ray Serve or the application (`serve_app`): the ingress deployment
+(`deployments/ingress.py`) wires `OpenAIServer` to HTTP and `EngineRouter` to Ray handles.
+"""

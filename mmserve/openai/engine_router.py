@@ -1,0 +1,234 @@
+"""Engine routing, as a plain class: which engine client serves a request, retries before the first output, engine limits.
+
+Engine state comes from each engine client's `info()`, refreshed at most once per interval, so
+a dead or starting engine is skipped without a round trip per request. Among ready engines the
+one with the fewest requests in flight from this router wins. How engine clients and the
+preprocessor are reached (Ray Serve handles) is the deployment's business
+(`deployments/router.py`): this class sees them through `EngineConnection` and `Preprocessing`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
+from mmserve.multimodal import ImageBatchRequest
+from mmserve.multimodal.errors import ImageInputError
+from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused, decode_event
+from mmserve.wire import EngineCoreRequest
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the serving layer needs from the engines' handshake."""
+
+    max_model_len: int
+    engine_kind: str  # "vllm" or "mmserve-builtin"
+    dtype: str = "bfloat16"
+
+
+class EngineRouting(Protocol):
+    """What the serving layer asks of the router (the class below, or a test's stand-in)."""
+
+    async def limits(self, wait: bool = True) -> EngineLimits: ...
+
+    def generate(self, request: EngineCoreRequest, images: object | None = None) -> AsyncIterator[EngineEvent]: ...
+
+    def preprocess(self, request: ImageBatchRequest) -> object:
+        """Start preprocessing; returns an opaque handle to pass to `generate` (never awaited here)."""
+        ...
+
+
+class NoEngineAliveError(EngineDeadError):
+    """Every engine is dead or closed (none starting): there is nowhere to send a request."""
+
+
+class ReplicaLostError(Exception):
+    """The replica serving a call (an engine client's or the preprocessor's) died under it."""
+
+
+class EngineCall(Protocol):
+    """One streaming generate call to an engine client: msgpack-encoded `EngineEvent`s."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    def cancel(self) -> None: ...
+
+
+class EngineConnection(Protocol):
+    """One engine client as the router reaches it. Failures arrive typed: the engine's own
+    errors, `GatewayBusyError` for a full tier, `ReplicaLostError` for a replica that died."""
+
+    async def info(self) -> EngineInfo: ...
+
+    def generate(self, request: EngineCoreRequest, images: object | None) -> EngineCall: ...
+
+
+class Preprocessing(Protocol):
+    def process(self, request: ImageBatchRequest) -> object:
+        """Start preprocessing `request`; an opaque response the engine client resolves."""
+        ...
+
+
+class PendingImages:
+    """Preprocessing in progress: its response, and the request, to start it again if the
+    replica doing it dies."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, request: ImageBatchRequest, response: object) -> None:
+        self.request = request
+        self.response = response
+
+
+class EngineRouter:
+    def __init__(
+        self,
+        engines: list[EngineConnection],
+        *,
+        preprocessor: Preprocessing | None = None,
+        wait_timeout_s: float,
+        refresh_interval_s: float = 1.0,
+        info_timeout_s: float = 5.0,
+    ) -> None:
+        self._engines = engines
+        self._preprocessor = preprocessor
+        self._infos: list[EngineInfo | None] = [None] * len(engines)
+        self._in_flight = [0] * len(engines)
+        self._wait_timeout_s = wait_timeout_s
+        self._refresh_interval_s = refresh_interval_s
+        self._info_timeout_s = info_timeout_s
+        self._refreshed_at = 0.0
+        self._refresh_lock = asyncio.Lock()
+
+    async def refresh(self) -> list[EngineInfo | None]:
+        async with self._refresh_lock:
+            if time.monotonic() - self._refreshed_at < self._refresh_interval_s:
+                return self._infos
+            results = await asyncio.gather(
+                *(asyncio.wait_for(e.info(), self._info_timeout_s) for e in self._engines), return_exceptions=True
+            )
+            self._infos = [r if isinstance(r, EngineInfo) else None for r in results]
+            self._refreshed_at = time.monotonic()
+            return self._infos
+
+    def _ready_indices(self) -> list[int]:
+        return [i for i, info in enumerate(self._infos) if info is not None and info.state == "ready"]
+
+    async def _wait_for_ready(self) -> list[int]:
+        deadline = time.monotonic() + self._wait_timeout_s
+        while True:
+            await self.refresh()
+            ready = self._ready_indices()
+            if ready:
+                return ready
+            if time.monotonic() >= deadline:
+                states = [info.state if info else "unreachable" for info in self._infos]
+                reasons = [info.death_reason for info in self._infos if info and info.death_reason]
+                if any(s in ("dead", "closed") for s in states) and "starting" not in states:
+                    raise NoEngineAliveError(f"no engine is alive ({', '.join(reasons) or states})")
+                raise EngineNotReadyError(f"no engine is ready (states: {states})")
+            await asyncio.sleep(0.2)
+            self._refreshed_at = 0.0
+
+    async def infos(self) -> list[EngineInfo | None]:
+        return await self.refresh()
+
+    async def limits(self, wait: bool = True) -> EngineLimits:
+        """Limits of a ready engine; waits for one unless `wait` is False (then raises at once)."""
+        if wait:
+            ready = await self._wait_for_ready()
+        else:
+            await self.refresh()
+            ready = self._ready_indices()
+            if not ready:
+                raise EngineNotReadyError("no engine is ready")
+        info = self._infos[ready[0]]
+        assert info is not None and info.max_model_len is not None
+        return EngineLimits(
+            max_model_len=info.max_model_len,
+            engine_kind="mmserve-builtin" if info.builtin else "vllm",
+            dtype=info.dtype or "bfloat16",
+        )
+
+    def preprocess(self, request: ImageBatchRequest) -> PendingImages:
+        """Start preprocessing. The response is handed to the engine client unawaited: it is
+        resolved there, so the pixels never pass through this process."""
+        if self._preprocessor is None:
+            raise InvalidRequestError("this application has no image preprocessor", "messages")
+        return PendingImages(request, self._preprocessor.process(request))
+
+    async def generate(self, request: EngineCoreRequest, images: PendingImages | None = None) -> AsyncIterator[EngineEvent]:
+        """Stream the request from the least-loaded ready engine.
+
+        Until the first output a failure is retried once where that is safe: an engine found
+        dead goes to another ready engine (nothing was generated), and a preprocessing replica
+        that died takes the images to a new one (preprocessing has no side effects).
+        """
+        tried: set[int] = set()
+        reprocessed = False
+        while True:
+            ready = [i for i in await self._wait_for_ready() if i not in tried]
+            if not ready:
+                raise EngineDeadError("every ready engine failed this request before its first output")
+            index = min(ready, key=lambda i: self._in_flight[i])
+            tried.add(index)
+            self._in_flight[index] += 1
+            call = self._engines[index].generate(request, images.response if images is not None else None)
+            finished = produced = False
+            retry: BaseException | None = None
+            try:
+                async for item in call:
+                    event = decode_event(item)
+                    if event.refused is not None:
+                        finished = True
+                        raise refusal_error(event.refused)
+                    if event.accepted is None:
+                        produced = True
+                    yield event
+                finished = True
+                return
+            except (EngineDeadError, EngineNotReadyError) as exc:
+                self._refreshed_at = 0.0  # look again before routing the next request
+                if produced or len(self._engines) == 1:
+                    raise
+                retry = exc
+            except ReplicaLostError as exc:
+                # A replica died under this request (the preprocessor's or an engine client's).
+                self._refreshed_at = 0.0
+                if produced:
+                    raise EngineDeadError(f"the engine client serving this request failed: {exc}") from None
+                if images is not None and not reprocessed and self._preprocessor is not None:
+                    logger.warning("request %s: retrying after %s", request.request_id, exc)
+                    images = PendingImages(images.request, self._preprocessor.process(images.request))
+                    reprocessed = True
+                    tried.discard(index)
+                    retry = exc
+                elif images is not None:
+                    raise GatewayBusyError(f"image preprocessing failed: {exc}; retry shortly") from None
+                elif len(self._engines) > 1:
+                    retry = exc
+                else:
+                    raise EngineDeadError(f"the engine client serving this request failed: {exc}") from None
+            finally:
+                self._in_flight[index] -= 1
+                if not finished:
+                    # Cancels the engine client's generator, whose cleanup aborts the request.
+                    call.cancel()
+            logger.warning("request %s: no output yet, trying again after: %s", request.request_id, retry)
+
+
+def refusal_error(refusal: RequestRefused) -> Exception:
+    """The typed error a refusal stands for (see `RequestRefused`)."""
+    if refusal.kind == "image":
+        return ImageInputError(refusal.message)  # the message already names the image
+    if refusal.kind == "overloaded":
+        return EngineOverloadedError(refusal.message)
+    return InvalidRequestError(refusal.message, refusal.param)

@@ -1,0 +1,168 @@
+"""Output processing: engine outputs → per-choice text deltas (detokenized, stop strings, finish reasons), usage, full responses.
+
+The engine neither detokenizes nor matches stop strings; this does, per choice, exactly as
+vLLM's output processor (`mmserve.text`). Errors from below leave as `OpenAIError`s (the one
+table in `errors.py`). The non-streaming response of every endpoint is built here, once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from mmserve.protocol import EngineEvent
+from mmserve.text import IncrementalDetokenizer, SequenceText, Tokenizer
+from mmserve.wire import EngineCoreRequest, FinishReason
+
+from .errors import OpenAIError, openai_error
+from .input_processing import PreparedRequest
+from .metrics import Metrics
+from .parallel_sampling import child_request, interleave
+from .protocol import UsageInfo
+
+Response = TypeVar("Response")
+Choice = TypeVar("Choice")
+
+
+class EngineStreams(Protocol):
+    """Where engine requests go (the engine router)."""
+
+    def generate(self, request: EngineCoreRequest, images: object | None = None) -> AsyncIterator[EngineEvent]: ...
+
+
+@dataclass
+class ChoiceDelta:
+    """New output of one choice since its previous delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class ChoiceResult:
+    """One choice's whole output."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def usage(prepared: PreparedRequest, completion_tokens: int) -> UsageInfo:
+    prompt_tokens = len(prepared.prompt_token_ids)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
+
+class OutputProcessor:
+    """Turns a prepared request's engine streams into choices, recording timings as they come."""
+
+    def __init__(self, tokenizer: Tokenizer, engines: EngineStreams, metrics: Metrics | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.engines = engines
+        self.metrics = metrics
+
+    async def deltas(self, prepared: PreparedRequest) -> AsyncIterator[ChoiceDelta]:
+        """All choices' deltas, interleaved as they arrive, with their timings recorded."""
+        record = prepared.record
+        async for delta in interleave(prepared.n, lambda index: self._choice_deltas(prepared, index)):
+            now = time.monotonic()
+            if delta.token_ids:
+                if record.first_token_at is None:
+                    record.first_token_at = now
+                elif self.metrics is not None and record.last_token_at is not None:
+                    self.metrics.observe_token_gap(now - record.last_token_at)
+                record.last_token_at = now
+                record.completion_tokens += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                record.finish_reasons.append(delta.finish_reason)
+            yield delta
+
+    async def full_response(
+        self,
+        prepared: PreparedRequest,
+        response_type: Callable[..., Response],
+        choice: Callable[[ChoiceResult], Any],
+        extra: Callable[[], dict[str, Any]] = dict,
+        model: str = "",
+    ) -> Response:
+        """The non-streaming response of any endpoint: every choice collected, then usage.
+        `extra()` is read after the engine has answered (the prompt may have grown by images)."""
+        results = [ChoiceResult(i) for i in range(prepared.n)]
+        async for delta in self.deltas(prepared):
+            result = results[delta.index]
+            result.text += delta.text
+            result.token_ids.extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                result.finish_reason, result.stop_reason = delta.finish_reason, delta.stop_reason
+        return response_type(
+            id=prepared.request_id,
+            created=prepared.created,
+            model=model,
+            choices=[choice(r) for r in results],
+            usage=usage(prepared, sum(len(r.token_ids) for r in results)),
+            **extra(),
+        )
+
+    async def _choice_deltas(self, prepared: PreparedRequest, index: int) -> AsyncIterator[ChoiceDelta]:
+        """Stream one choice: engine tokens → text deltas, stop strings, finish reasons."""
+        seq: SequenceText | None = None
+        emitted_ids = 0
+        engine_request = child_request(
+            prepared.request_id, prepared.prompt_token_ids, prepared.sampling, prepared.n, index, prepared.record.arrival_time
+        )
+        engine_stream = self.engines.generate(engine_request, prepared.images)
+        try:
+            async for event in engine_stream:
+                if (accepted := event.accepted) is not None:
+                    # Image placeholders expanded by the engine client: the prompt as the engine has it.
+                    prepared.prompt_token_ids = accepted.prompt_token_ids
+                    prepared.record.prompt_tokens = len(accepted.prompt_token_ids)
+                    prepared.record.preprocess_ms = accepted.preprocess_ms
+                    continue
+                if seq is None:
+                    seq = self._sequence_text(prepared)
+                for output in event.outputs:
+                    finish = output.finish_reason
+                    if finish is FinishReason.ERROR:
+                        raise OpenAIError("the engine failed to process the request", status=500)
+                    stop_string = seq.update(output.new_token_ids, stop_terminated=finish is FinishReason.STOP)
+                    finish_reason, stop_reason = None, None
+                    if stop_string is not None:
+                        finish_reason, stop_reason = "stop", stop_string
+                    elif finish is not None:
+                        finish_reason, stop_reason = finish.openai_name, output.stop_reason
+                    text = seq.next_delta(finished=finish_reason is not None)
+                    new_ids = seq.token_ids[emitted_ids:]
+                    emitted_ids = len(seq.token_ids)
+                    yield ChoiceDelta(index, text, new_ids, finish_reason, stop_reason)
+                    if finish_reason is not None:
+                        return
+            raise OpenAIError("the engine stream ended without finishing the request", status=500)
+        except Exception as exc:
+            error = openai_error(exc)
+            if error is None or error is exc:
+                raise
+            raise error from None
+        finally:
+            # Closing the engine stream early aborts the request in the engine.
+            await engine_stream.aclose()
+
+    def _sequence_text(self, prepared: PreparedRequest) -> SequenceText:
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            prepared.prompt_token_ids,
+            skip_special_tokens=prepared.skip_special_tokens,
+            spaces_between_special_tokens=prepared.spaces_between_special_tokens,
+        )
+        return SequenceText(
+            detok,
+            stop=prepared.stop,
+            include_stop_str_in_output=prepared.include_stop_str_in_output,
+            min_tokens=prepared.min_tokens,
+        )

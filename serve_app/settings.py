@@ -1,0 +1,95 @@
+"""The application's config translated into each deployment's plain settings (nothing below `serve_app` reads `AppConfig`)."""
+
+from __future__ import annotations
+
+from deployments.engine_client import BuiltinEngineOptions, EngineClientSettings
+from deployments.preprocessor import PreprocessorScaling, PreprocessorSettings
+from mmserve.engine import EngineAddresses
+from mmserve.engine.mm_cache import EngineCacheSettings
+from mmserve.fetch import FetchPolicy
+from mmserve.multimodal.preprocessor import PreprocessorLimits
+from mmserve.openai.settings import ServingLimits, ServingSettings
+from mmserve.vision import ImageLimits
+
+from .config import AppConfig, EngineEndpoint
+
+
+def serving_settings(config: AppConfig) -> ServingSettings:
+    """The ingress replicas' settings."""
+    limits = config.limits
+    return ServingSettings(
+        model_dir=config.model_dir,
+        model_name=config.model_name,
+        limits=ServingLimits(
+            max_request_bytes=limits.max_request_bytes,
+            max_n=limits.max_n,
+            max_stop_strings=limits.max_stop_strings,
+            max_stop_string_chars=limits.max_stop_string_chars,
+            max_prompt_tokens=limits.max_prompt_tokens,
+            max_messages=limits.max_messages,
+            max_content_parts=limits.max_content_parts,
+            max_tools=limits.max_tools,
+            max_prompt_chars=limits.max_prompt_chars,
+            ingress_body_budget_bytes=limits.ingress_body_budget_bytes,
+            small_request_bytes=limits.small_request_bytes,
+        ),
+        pixel_mode=config.images.pixel_mode,
+        max_images_per_request=config.images.max_images_per_request,
+        max_image_bytes=config.images.max_image_bytes,
+        engine_wait_timeout_s=config.engine_wait_timeout_s,
+        api_key=config.api_key,
+    )
+
+
+def engine_client_settings(config: AppConfig, endpoint: EngineEndpoint) -> EngineClientSettings:
+    """The settings of the engine client waiting for the engine at `endpoint`."""
+    builtin = None
+    if config.uses_builtin_engine:
+        options = config.builtin_engine
+        builtin = BuiltinEngineOptions(
+            model_dir=config.model_dir,
+            max_model_len=options.max_model_len,
+            max_num_seqs=options.max_num_seqs,
+            step_interval_ms=options.step_interval_ms,
+        )
+    return EngineClientSettings(
+        addresses=EngineAddresses(endpoint.handshake, endpoint.inputs, endpoint.outputs),
+        handshake_timeout_s=config.handshake_timeout_s,
+        health_check_interval_s=config.health_check_interval_s,
+        health_check_timeout_s=config.health_check_timeout_s,
+        engine_wait_timeout_s=config.engine_wait_timeout_s,
+        max_in_flight=config.limits.max_in_flight_per_engine,
+        trace_wire_frames=config.trace_wire_frames,
+        builtin_engine=builtin,
+        mm_cache=EngineCacheSettings(endpoint.mm_processor_cache_gb, endpoint.mm_processor_cache_type),
+    )
+
+
+def fetch_policy(config: AppConfig) -> FetchPolicy:
+    images = config.images
+    return FetchPolicy(
+        max_image_bytes=images.max_image_bytes,
+        fetch_timeout_s=images.fetch_timeout_s,
+        max_redirects=images.max_redirects,
+        allow_private_networks=images.allow_private_networks,
+        allowed_hosts=tuple(images.allowed_hosts),
+        allowed_local_dir=images.allowed_local_dir,
+    )
+
+
+def preprocessor_settings(config: AppConfig) -> PreprocessorSettings:
+    images = config.images
+    return PreprocessorSettings(
+        model_dir=config.model_dir,
+        fetch=fetch_policy(config),
+        limits=PreprocessorLimits(
+            max_images_per_request=images.max_images_per_request,
+            image=ImageLimits(max_bytes=images.max_image_bytes, max_pixels=images.max_image_pixels),
+        ),
+        cache_bytes=images.cache_bytes,
+        pixel_mode=images.pixel_mode,
+    )
+
+
+def preprocessor_scaling(config: AppConfig) -> PreprocessorScaling:
+    return PreprocessorScaling(**config.preprocessor.model_dump())

@@ -1,0 +1,144 @@
+"""The engine router's plain class: engine choice, retries before the first output, refusals, limits (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
+from mmserve.multimodal import ImageBatchRequest, PixelMode
+from mmserve.multimodal.errors import ImageInputError
+from mmserve.openai.engine_router import EngineRouter, NoEngineAliveError, PendingImages, ReplicaLostError
+from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused, encode_event
+from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
+
+
+def _request(request_id: str = "r") -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, [1, 2], None, SamplingParams(max_tokens=2), None, 0.0, None, None, None)
+
+
+class FakeCall:
+    def __init__(self, events: list, fail: BaseException | None) -> None:
+        self.events, self.fail, self.cancelled = events, fail, False
+
+    async def __aiter__(self):
+        for event in self.events:
+            yield encode_event(event)
+        if self.fail is not None:
+            raise self.fail
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeEngine:
+    """An engine connection whose calls play a script: events, then optionally a failure."""
+
+    def __init__(self, state: str = "ready", events=None, fail: BaseException | None = None, builtin: bool = True) -> None:
+        self.state, self.builtin = state, builtin
+        self.events = events if events is not None else [EngineEvent(outputs=[EngineCoreOutput("r", [5], finish_reason=FinishReason.LENGTH)])]
+        self.fail = fail
+        self.calls: list[FakeCall] = []
+        self.images: list[object] = []
+
+    async def info(self) -> EngineInfo:
+        return EngineInfo(state=self.state, builtin=self.builtin, handshake_address="tcp://x:1", max_model_len=64, dtype="float32",
+                          death_reason="boom" if self.state == "dead" else None)
+
+    def generate(self, request, images):
+        self.images.append(images)
+        call = FakeCall(self.events, self.fail)
+        self.calls.append(call)
+        return call
+
+
+class FakePreprocessing:
+    def __init__(self) -> None:
+        self.started = 0
+
+    def process(self, request):
+        self.started += 1
+        return f"response-{self.started}"
+
+
+def _router(engines, preprocessor=None, wait_timeout_s=0.0) -> EngineRouter:
+    return EngineRouter(engines, preprocessor=preprocessor, wait_timeout_s=wait_timeout_s, refresh_interval_s=0.0)
+
+
+def _collect(router: EngineRouter, images=None) -> list[EngineEvent]:
+    async def run():
+        return [event async for event in router.generate(_request(), images)]
+
+    return asyncio.run(run())
+
+
+def test_limits_come_from_a_ready_engines_handshake():
+    limits = asyncio.run(_router([FakeEngine("starting"), FakeEngine(builtin=False)]).limits())
+    assert (limits.max_model_len, limits.engine_kind, limits.dtype) == (64, "vllm", "float32")
+
+
+def test_no_ready_engine_is_not_ready_and_all_dead_is_no_engine_alive():
+    with pytest.raises(EngineNotReadyError):
+        asyncio.run(_router([FakeEngine("starting")]).limits(wait=False))
+    with pytest.raises(EngineNotReadyError):
+        asyncio.run(_router([FakeEngine("starting"), FakeEngine("dead")]).limits())
+    with pytest.raises(NoEngineAliveError, match="boom"):
+        asyncio.run(_router([FakeEngine("dead")]).limits())
+
+
+def test_an_engine_dead_before_its_first_output_hands_the_request_to_another():
+    dead, good = FakeEngine(events=[], fail=EngineDeadError("gone")), FakeEngine()
+    events = _collect(_router([dead, good]))
+    assert [o.new_token_ids for e in events for o in e.outputs] == [[5]]
+    assert len(dead.calls) == 1 and dead.calls[0].cancelled and len(good.calls) == 1
+
+
+def test_a_failure_after_output_is_not_retried():
+    first = FakeEngine(fail=EngineDeadError("gone"))
+    other = FakeEngine()
+    with pytest.raises(EngineDeadError):
+        _collect(_router([first, other]))
+    assert (len(first.calls), other.calls) == (1, [])  # produced output: never sent elsewhere
+    lost = FakeEngine(fail=ReplicaLostError("actor died"))
+    with pytest.raises(EngineDeadError, match="actor died"):
+        _collect(_router([lost]))
+
+
+def test_a_lost_preprocessor_replica_gets_the_images_once_more():
+    preprocessing = FakePreprocessing()
+    engine = FakeEngine(events=[], fail=ReplicaLostError("preprocessor died"))
+    router = _router([engine], preprocessing)
+    images = router.preprocess(ImageBatchRequest(urls=["data:x"], pixel_mode=PixelMode("device_normalize"), engine_dtype="float32"))
+    assert isinstance(images, PendingImages)
+    with pytest.raises(GatewayBusyError, match="image preprocessing failed"):
+        _collect(router, images)
+    assert preprocessing.started == 2 and engine.images == ["response-1", "response-2"]
+
+
+@pytest.mark.parametrize(
+    ("refusal", "error"),
+    [
+        (RequestRefused("image", "image 1: not an image", "messages"), ImageInputError),
+        (RequestRefused("overloaded", "full"), EngineOverloadedError),
+        (RequestRefused("invalid", "too long", "max_tokens"), InvalidRequestError),
+    ],
+)
+def test_refusals_become_typed_errors_and_are_not_retried(refusal, error):
+    first, second = FakeEngine(events=[EngineEvent(refused=refusal)]), FakeEngine()
+    with pytest.raises(error):
+        _collect(_router([first, second]))
+    assert len(first.calls) + len(second.calls) == 1
+
+
+def test_the_least_loaded_ready_engine_wins():
+    engines = [FakeEngine("starting"), FakeEngine(), FakeEngine()]
+    router = _router(engines)
+    router._in_flight[1] = 3  # requests of this router already on engine 1
+    _collect(router)
+    assert (len(engines[1].calls), len(engines[2].calls)) == (0, 1)
+
+
+def test_images_without_a_preprocessor_are_refused():
+    with pytest.raises(InvalidRequestError):
+        _router([FakeEngine()]).preprocess(ImageBatchRequest(urls=["data:x"], pixel_mode=PixelMode("device_normalize"), engine_dtype="float32"))

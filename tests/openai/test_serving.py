@@ -1,0 +1,153 @@
+"""The serving stages end to end without Ray: input processing, fan-out, output processing, one response or SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from mmserve.engine import EngineDeadError, admit
+from mmserve.openai.engine_router import EngineLimits
+from mmserve.openai.errors import OpenAIError, openai_error
+from mmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
+from mmserve.openai.serving import OpenAIServer
+from mmserve.openai.sse import DONE, ErrorEvent
+from mmserve.protocol import EngineEvent
+from mmserve.wire import EngineCoreOutput, FinishReason
+from serve_app.config import AppConfig
+from serve_app.settings import serving_settings
+
+MAX_MODEL_LEN = 64
+
+
+class ScriptedRouter:
+    """Answers every engine request with `tokens`, one per output; can die after `die_after` outputs."""
+
+    def __init__(self, tokens: list[int], die_after: int | None = None) -> None:
+        self.tokens, self.die_after = tokens, die_after
+        self.requests = []
+
+    async def limits(self, wait: bool = True) -> EngineLimits:
+        return EngineLimits(max_model_len=MAX_MODEL_LEN, engine_kind="mmserve-builtin")
+
+    def preprocess(self, request):
+        return request
+
+    async def generate(self, request, images=None):
+        request = admit(request, MAX_MODEL_LEN)
+        self.requests.append(request)
+        for i, token in enumerate(self.tokens):
+            if self.die_after is not None and i == self.die_after:
+                raise EngineDeadError("engine went away")
+            last = i == len(self.tokens) - 1
+            yield EngineEvent(outputs=[EngineCoreOutput(request.request_id, [token], finish_reason=FinishReason.LENGTH if last else None)])
+
+
+def _server(router: ScriptedRouter, **limits) -> OpenAIServer:
+    return OpenAIServer(serving_settings(AppConfig.model_validate({"limits": limits})), router)
+
+
+def _tokens(server: OpenAIServer, text: str) -> list[int]:
+    return server.inputs.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def _events(stream) -> list[str]:
+    return [event async for event in stream]
+
+
+def test_a_chat_response_is_built_once_with_usage_and_choices():
+    router = ScriptedRouter([])
+    server = _server(router)
+    router.tokens = _tokens(server, " hello world")
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], "n": 2, "seed": 4, "max_tokens": 8})
+    response = asyncio.run(server.chat(request))
+    assert [c.message.content for c in response.choices] == [" hello world"] * 2
+    assert [c.finish_reason for c in response.choices] == ["length"] * 2
+    prompt_len = len(router.requests[0].prompt_token_ids)
+    assert response.usage.model_dump() == {
+        "prompt_tokens": prompt_len, "completion_tokens": 2 * len(router.tokens), "total_tokens": prompt_len + 2 * len(router.tokens),
+    }
+    assert sorted(r.sampling_params.seed for r in router.requests) == [4, 5]
+    assert response.model == server.model_name and response.id.startswith("chatcmpl-")
+
+
+def test_a_stop_string_ends_a_completion_and_is_its_stop_reason():
+    router = ScriptedRouter([])
+    server = _server(router)
+    router.tokens = _tokens(server, " one two three four")
+    response = asyncio.run(server.completion(CompletionRequest.model_validate({"prompt": "Count", "stop": [" three"], "max_tokens": 10})))
+    (choice,) = response.choices
+    assert (choice.text, choice.finish_reason, choice.stop_reason) == (" one two", "stop", " three")
+
+
+def test_a_stream_has_deltas_usage_and_done():
+    router = ScriptedRouter([])
+    server = _server(router)
+    router.tokens = _tokens(server, " a b c")
+    request = CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 5})
+
+    async def run():
+        return await _events(await server.completion(request))
+
+    events = asyncio.run(run())
+    assert events[-1] == DONE
+    bodies = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert "".join(c["text"] for b in bodies for c in b["choices"]) == " a b c"
+    assert bodies[-1]["usage"]["completion_tokens"] == len(router.tokens)
+
+
+def test_a_stream_that_fails_after_its_start_ends_with_a_typed_error_event():
+    router = ScriptedRouter([])
+    server = _server(router)
+    router.tokens, router.die_after = _tokens(server, " a b c d"), 2
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 8})
+
+    async def run():
+        return await _events(await server.chat(request))
+
+    events = asyncio.run(run())
+    errors = [e for e in events if isinstance(e, ErrorEvent)]
+    assert len(errors) == 1 and events[-1] == DONE
+    error = json.loads(errors[0].removeprefix("data: "))["error"]
+    assert error["type"] == "service_unavailable_error" and "engine went away" in error["message"]
+    assert not any(isinstance(e, ErrorEvent) for e in events[: events.index(errors[0])])
+
+
+def _client_error(coroutine) -> OpenAIError:
+    """What the client gets for a refused request (the ingress maps every error by `openai_error`)."""
+    with pytest.raises(Exception) as caught:
+        asyncio.run(coroutine)
+    error = openai_error(caught.value)
+    assert error is not None, caught.value
+    return error
+
+
+def test_the_context_rule_refuses_before_any_engine_request():
+    router = ScriptedRouter([5])
+    server = _server(router)
+    error = _client_error(server.completion(CompletionRequest.model_validate({"prompt": [1] * 10, "max_tokens": 60})))
+    assert (error.status, error.param, error.code) == (400, "max_tokens", "context_length_exceeded")
+    error = _client_error(server.completion(CompletionRequest.model_validate({"prompt": [1] * MAX_MODEL_LEN})))
+    assert (error.status, error.param, error.code) == (400, "prompt", "context_length_exceeded")
+    # limits.max_prompt_tokens, below the context
+    error = _client_error(_server(router, max_prompt_tokens=8).completion(CompletionRequest.model_validate({"prompt": [1] * 9})))
+    assert (error.status, error.code) == (400, "context_length_exceeded")
+    assert router.requests == []
+
+
+def test_an_unset_max_tokens_is_what_is_left_of_the_context():
+    router = ScriptedRouter([5])
+    asyncio.run(_server(router).completion(CompletionRequest.model_validate({"prompt": [1] * 10})))
+    assert router.requests[0].sampling_params.max_tokens == MAX_MODEL_LEN - 10
+
+
+def test_the_model_name_is_checked():
+    error = _client_error(_server(ScriptedRouter([5])).completion(CompletionRequest.model_validate({"prompt": "x", "model": "other"})))
+    assert (error.status, error.code) == (400, "model_not_found")
+
+
+def test_models_answer_without_waiting_for_an_engine():
+    models = asyncio.run(_server(ScriptedRouter([5])).models())
+    (card,) = models.data
+    assert (card.id, card.max_model_len, card.engine) == ("mmserve-builtin", MAX_MODEL_LEN, "mmserve-builtin")

@@ -1,0 +1,42 @@
+"""The application's config reaches each deployment as plain settings, every key carried over."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from serve_app.config import AppConfig
+from serve_app.settings import engine_client_settings, preprocessor_scaling, preprocessor_settings, serving_settings
+
+
+def test_serving_settings_carry_every_limit_the_ingress_enforces():
+    limits = {"max_request_bytes": 1, "max_n": 2, "max_stop_strings": 3, "max_stop_string_chars": 4, "max_prompt_tokens": 5,
+              "max_messages": 6, "max_content_parts": 7, "max_tools": 8, "max_prompt_chars": 9,
+              "ingress_body_budget_bytes": 10, "small_request_bytes": 11}
+    config = AppConfig.model_validate({"limits": limits, "images": {"max_images_per_request": 3, "max_image_bytes": 12,
+                                       "pixel_mode": "host_normalize"}, "api_key": "k", "engine_wait_timeout_s": 7.0,
+                                       "served_model_name": "m"})
+    settings = serving_settings(config)
+    assert {name: getattr(settings.limits, name) for name in limits} == limits
+    assert (settings.model_name, settings.api_key, settings.engine_wait_timeout_s) == ("m", "k", 7.0)
+    assert (settings.pixel_mode, settings.max_images_per_request, settings.max_image_bytes) == ("host_normalize", 3, 12)
+
+
+def test_engine_client_settings_start_the_builtin_engine_only_for_builtin():
+    builtin = AppConfig.model_validate({"builtin_engine": {"max_model_len": 128, "step_interval_ms": 5.0},
+                                        "limits": {"max_in_flight_per_engine": 9}, "trace_wire_frames": 4})
+    settings = engine_client_settings(builtin, builtin.engine_endpoints()[0])
+    assert settings.builtin_engine is not None and settings.builtin_engine.max_model_len == 128
+    assert (settings.max_in_flight, settings.trace_wire_frames, settings.addresses.handshake) == (9, 4, "tcp://127.0.0.1:0")
+    external = AppConfig.model_validate({"engines": "tcp://10.0.0.5:29550", "handshake_timeout_s": 3.0})
+    settings = engine_client_settings(external, external.engine_endpoints()[0])
+    assert settings.builtin_engine is None and settings.handshake_timeout_s == 3.0
+
+
+def test_preprocessor_settings_and_options():
+    config = AppConfig.model_validate({"images": {"allowed_hosts": ["a.example"], "max_image_pixels": 100, "cache_bytes": 0},
+                                       "preprocessor": {"max_replicas": 2, "look_back_period_s": 4.0}})
+    settings = preprocessor_settings(config)
+    assert settings.fetch.allowed_hosts == ("a.example",) and settings.limits.image.max_pixels == 100 and settings.cache_bytes == 0
+    assert isinstance(settings.model_dir, Path)
+    options = preprocessor_scaling(config).options()
+    assert options["autoscaling_config"]["max_replicas"] == 2 and options["autoscaling_config"]["metrics_interval_s"] == 1.0
