@@ -59,7 +59,7 @@ class ImageFamily(Protocol):
 
 @dataclass(frozen=True)
 class Qwen2VLFamily:
-    """Qwen2-VL and Qwen2.5-VL (images): flat `pixel_values` rows + batched `image_grid_thw`."""
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL (images): flat `pixel_values` rows + batched `image_grid_thw`."""
 
     settings: Qwen2VLSettings
     placeholder_token_id: int
@@ -117,7 +117,9 @@ def load_image_family(model_dir: str | Path) -> ImageFamily | None:
     files = ModelFiles.load(root)
     model_type = files.model_config.model_type
     preprocessor = root / "preprocessor_config.json"
-    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+    # Qwen3-VL images follow Qwen2-VL's rule: the same processor class (16x16 patches, factor 32 and
+    # mean/std 0.5 come from its preprocessor_config.json) and <|image_pad|> x grid / merge².
+    if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         token = files.model_config.token_id("image_token_id")
         if token is None:
             raise UnsupportedImageFamily("config.json names no image_token_id")

@@ -137,7 +137,7 @@ def build_backend(files: ModelFiles) -> tokenizers.Tokenizer:
 
     if config.has_added_tokens_decoder:
         recorded = list(config.added_tokens)
-    else:  # old directories: tokenizer.json's added tokens, in file order
+    else:  # old directories: tokenizer.json's added tokens (re-added in id order below)
         raw = raw if raw is not None else json.loads(text)
         recorded = [AddedTokenSpec.from_json(t["id"], t) for t in raw.get("added_tokens") or ()]
     _add_tokens_as_transformers(backend, backend_added, recorded, config)

@@ -65,6 +65,159 @@ def build_tiny_qwen2_vl(dest: Path, seed: int = 0) -> Path:
     return dest
 
 
+def _qwen2_5_vl_config() -> dict:
+    """A tiny Qwen2.5-VL in Qwen/Qwen2.5-VL-3B-Instruct's config.json layout (flat text keys): the
+    built-in model's text decoder and token ids, and a 2-block windowed vision tower (block 1 with
+    full attention) whose merger projects to the text hidden size."""
+    config = json.loads((BUILTIN_MODEL_DIR / "config.json").read_text())
+    config.update(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl")
+    config["vision_config"] = {
+        "depth": 2,
+        "fullatt_block_indexes": [1],
+        "hidden_act": "silu",
+        "hidden_size": 64,  # the vision embed dim
+        "in_channels": 3,
+        "in_chans": 3,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "out_hidden_size": config["hidden_size"],
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "spatial_patch_size": 14,
+        "temporal_patch_size": 2,
+        "tokens_per_second": 2,
+        "window_size": 112,
+    }
+    return config
+
+
+def write_qwen2_5_vl_files(dest: Path) -> Path:
+    """The tiny Qwen2.5-VL's files without weights (enough for tokenizer and image processor)."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(BUILTIN_MODEL_DIR.iterdir()):
+        if f.is_file():
+            shutil.copyfile(f, dest / f.name)
+    (dest / "config.json").write_text(json.dumps(_qwen2_5_vl_config(), indent=2, sort_keys=True) + "\n")
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        cfg = json.loads((dest / name).read_text())
+        cfg["processor_class"] = "Qwen2_5_VLProcessor"
+        (dest / name).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return dest
+
+
+def build_tiny_qwen2_5_vl(dest: Path, seed: int = 0) -> Path:
+    """The built-in model dir's tokenizer, chat template and Qwen2-VL image processor (Qwen2.5-VL keeps
+    that processor class) with a Qwen2.5-VL config and random bf16 weights. Returns ``dest``."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    dest = write_qwen2_5_vl_files(dest)
+    config = Qwen2_5_VLConfig.from_pretrained(dest)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    _redraw_(model, seed)
+    model = model.to(torch.bfloat16)
+    _save_weights(model, dest)
+    return dest
+
+
+# Qwen3-VL's image processor (Qwen2VLImageProcessor with 16x16 patches, factor 32, mean/std 0.5).
+# longest_edge is capped (Qwen3-VL ships 16 777 216 pixels) so test images stay at <= 256 tokens.
+QWEN3_VL_MIN_PIXELS = 65536
+QWEN3_VL_MAX_PIXELS = 32 * 32 * 256
+
+
+def _qwen3_vl_config() -> dict:
+    """A tiny Qwen3-VL in Qwen/Qwen3-VL-2B-Instruct's config.json layout: the built-in model's token
+    ids and vocabulary, a 2-layer Qwen3 text decoder (interleaved mRoPE), a 2-block vision tower with
+    16x16 patches and one deepstack layer."""
+    builtin = json.loads((BUILTIN_MODEL_DIR / "config.json").read_text())
+    token_ids = {k: builtin[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        **token_ids,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": builtin["bos_token_id"],
+            "eos_token_id": builtin["eos_token_id"],
+            "dtype": "bfloat16",
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "hidden_size": builtin["hidden_size"],
+            "initializer_range": 0.02,
+            "intermediate_size": 256,
+            "max_position_embeddings": 4096,
+            "model_type": "qwen3_vl_text",
+            "num_attention_heads": 2,
+            "num_hidden_layers": 2,
+            "num_key_value_heads": 1,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": {"mrope_interleaved": True, "mrope_section": [12, 10, 10], "rope_type": "default"},
+            "rope_theta": 5000000,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "vocab_size": builtin["vocab_size"],
+        },
+        "vision_config": {
+            "deepstack_visual_indexes": [0],
+            "depth": 2,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": 64,
+            "in_channels": 3,
+            "initializer_range": 0.02,
+            "intermediate_size": 128,
+            "model_type": "qwen3_vl",
+            "num_heads": 2,
+            "num_position_embeddings": 2304,
+            "out_hidden_size": builtin["hidden_size"],
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    }
+
+
+def write_qwen3_vl_files(dest: Path) -> Path:
+    """The tiny Qwen3-VL's files without weights: the built-in model's tokenizer and chat template
+    (Qwen2-VL's, which vLLM and mmserve render alike), Qwen3-VL's config and image processor."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.json", "generation_config.json"):
+        shutil.copyfile(BUILTIN_MODEL_DIR / name, dest / name)
+    (dest / "config.json").write_text(json.dumps(_qwen3_vl_config(), indent=2, sort_keys=True) + "\n")
+    processor = {
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "image_processor_type": "Qwen2VLImageProcessorFast", "merge_size": 2, "patch_size": 16,
+        "processor_class": "Qwen3VLProcessor", "resample": 3, "rescale_factor": 0.00392156862745098,
+        "size": {"longest_edge": QWEN3_VL_MAX_PIXELS, "shortest_edge": QWEN3_VL_MIN_PIXELS}, "temporal_patch_size": 2,
+    }  # fmt: skip
+    (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2, sort_keys=True) + "\n")
+    video = dict(processor, video_processor_type="Qwen3VLVideoProcessor", fps=2, min_frames=4, max_frames=16)
+    video.pop("image_processor_type")
+    (dest / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2, sort_keys=True) + "\n")
+    return dest
+
+
+def build_tiny_qwen3_vl(dest: Path, seed: int = 0) -> Path:
+    """``write_qwen3_vl_files`` plus random bf16 weights. Returns ``dest``."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    dest = write_qwen3_vl_files(dest)
+    config = Qwen3VLConfig.from_pretrained(dest)
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
+    _redraw_(model, seed)
+    model = model.to(torch.bfloat16)
+    _save_weights(model, dest)
+    return dest
+
+
 # ------------------------------------------------------------------------------------------------
 # LLaVA-1.5 (llava-hf/llava-1.5-7b-hf layout, tiny)
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""Qwen2.5-VL and Qwen3-VL image chats through the Serve graph against real vLLM 0.32 CPU engines
+running tiny random-weight models built by the test (Qwen2.5-VL: windowed vision attention; Qwen3-VL:
+16x16 patches, factor 32, mean/std 0.5, deepstack): identical prompt token ids and greedy tokens to
+vLLM's offline `LLM.chat`, in both pixel modes these families support (uint8 patches normalised on
+the device, vLLM's default; host-normalised bf16 with `--no-mm-device-do-normalize`). Qwen2-VL's own
+test is test_real_vllm_images.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import deploy_app
+from tests.e2e.test_real_vllm_images import CHATS, GREEDY, IMG_TINY
+from tests.support.images import image_part
+from tests.support.vllm_reference import run_offline_reference
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+# CHATS[0]'s text with another image: the answer must depend on the pixels.
+OTHER_IMAGE = [{"role": "user", "content": [image_part(IMG_TINY), {"type": "text", "text": "What is in this image?"}]}]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory):
+    from tests.support import tiny_models
+
+    build = {"qwen2_5_vl": tiny_models.build_tiny_qwen2_5_vl, "qwen3_vl": tiny_models.build_tiny_qwen3_vl}[request.param]
+    return request.param, build(tmp_path_factory.mktemp("models") / f"tiny-{request.param}", seed=0)
+
+
+def _serve(serve_instance, model_dir, model_name: str, app_name: str, pixel_mode: str, engine_args: list[str]):
+    from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
+
+    port = free_tcp_port()
+    engine = HeadlessVllmEngine(model_dir, port, max_model_len=1024, extra_args=engine_args).start()
+    try:
+        app = deploy_app(
+            serve_instance, app_name,
+            {"model": str(model_dir), "served_model_name": model_name, "engines": [f"tcp://127.0.0.1:{port}"],
+             "images": {"pixel_mode": pixel_mode}, "handshake_timeout_s": 600, "health_check_timeout_s": 20},
+            ready_timeout_s=600,
+        )  # fmt: skip
+    except BaseException:
+        print(engine.log_tail())
+        engine.stop()
+        raise
+    return app, engine
+
+
+def _assert_same(app, model_name: str, refs, cases) -> None:
+    client = app.openai(timeout=300)
+    for case, ref in zip(cases, refs):
+        r = client.chat.completions.create(
+            model=model_name, messages=case["messages"], extra_body={"return_token_ids": True}, **case["sampling"]
+        )
+        assert r.model_extra["prompt_token_ids"] == ref.prompt_token_ids
+        got = sorted((c.model_extra["token_ids"], c.message.content, c.finish_reason) for c in r.choices)
+        want = sorted((o.token_ids, o.text, o.finish_reason) for o in ref.outputs)
+        assert got == want
+
+
+@pytest.mark.parametrize(
+    ("pixel_mode", "engine_args", "reference_args"),
+    [
+        ("device_normalize", [], {}),
+        ("host_normalize", ["--no-mm-device-do-normalize"], {"mm_device_do_normalize": False}),
+    ],
+)
+def test_images_equal_vllm_offline(serve_instance, family_dir, pixel_mode, engine_args, reference_args):
+    from ray import serve
+
+    family, model_dir = family_dir
+    model_name = f"tiny-{family}"
+
+    cases = [{"messages": chat, "sampling": GREEDY} for chat in [*CHATS, OTHER_IMAGE]]
+    cases.append({"messages": CHATS[0], "sampling": {"temperature": 0.8, "seed": 11, "n": 2, "max_tokens": 12}})
+    refs = run_offline_reference(model_dir, cases, extra_engine_args=reference_args)
+    assert refs[0].outputs[0].token_ids != refs[len(CHATS)].outputs[0].token_ids
+    app_name = f"vllm-{family}-{pixel_mode}".replace("_", "-")
+    app, engine = _serve(serve_instance, model_dir, model_name, app_name, pixel_mode, engine_args)
+    try:
+        _assert_same(app, model_name, refs, cases)
+    finally:
+        engine.stop()
+        serve.delete(app_name, _blocking=False)
