@@ -104,7 +104,10 @@ def main() -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="cpu: process CPU time; wall: perf_counter")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "preprocess.md"))
     parser.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
+    parser.add_argument("--families", default="qwen2_vl,llava,qwen3_vl",
+                        help="comma-separated subset of qwen2_vl, llava, qwen3_vl (floors come with qwen2_vl)")
     args = parser.parse_args()
+    families = set(args.families.split(","))
     clock = CLOCKS[args.clock]
 
     from transformers import CLIPImageProcessor, Qwen2VLImageProcessor
@@ -113,6 +116,12 @@ def main() -> None:
     llava = LlavaSettings()
     hf_tv = Qwen2VLImageProcessor()
     hf_clip = CLIPImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
+    # Qwen3-VL's shipped preprocessor_config.json: the same processor class, 16x16 patches (factor 32),
+    # mean/std 0.5, 65 536 to 16 777 216 pixels (so these sizes are only rounded to multiples of 32).
+    qwen3_config = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3,
+                    "image_std": [0.5] * 3, "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
+    qwen3 = Qwen2VLSettings.from_config(qwen3_config)
+    hf_qwen3 = Qwen2VLImageProcessor(**qwen3_config)
     bf16 = PixelDtype.BFLOAT16
     exact_resize = "pillow-simd" if pillow_simd_active() else "numpy"
 
@@ -138,7 +147,16 @@ def main() -> None:
         ("mmserve LLaVA bf16 (`decode_image` + process)", lambda d, t: llava.process(decode_image(d)), "alt:lbf"),
         ("HF CLIP torchvision bf16 (decode + processor + cast)",
          lambda d, t: hf_clip(images=[pil_rgb(d)], return_tensors="pt")["pixel_values"].to(torch.bfloat16), "hf:lbf"),
+        ("**mmserve Qwen3-VL uint8** (`decode_rgb` + process)", lambda d, t: qwen3.process(decode_rgb(d)), "ours:q3u8"),
+        ("mmserve Qwen3-VL uint8 (`decode_image` + process)", lambda d, t: qwen3.process(decode_image(d)), "alt:q3u8"),
+        ("HF Qwen3-VL torchvision uint8 (decode + processor)",
+         lambda d, t: hf_qwen3(images=[pil_rgb(d)], do_rescale=False, do_normalize=False, return_tensors="pt"), "hf:q3u8"),
+        ("**mmserve Qwen3-VL bf16** (`decode_rgb` + process)", lambda d, t: qwen3.process(decode_rgb(d), bf16), "ours:q3bf"),
+        ("HF Qwen3-VL torchvision bf16 (decode + processor + cast)",
+         lambda d, t: hf_qwen3(images=[pil_rgb(d)], return_tensors="pt")["pixel_values"].to(torch.bfloat16), "hf:q3bf"),
     ]
+    family_of = {"q8": "qwen2_vl", "qbf": "qwen2_vl", "lbf": "llava", "q3u8": "qwen3_vl", "q3bf": "qwen3_vl", "": "qwen2_vl"}
+    methods = [m for m in methods if family_of[m[2].partition(":")[2]] in families]
 
     # Interleaved: every round times every method once, so background load hits all of them alike;
     # each cell keeps its best round.
@@ -163,7 +181,10 @@ def main() -> None:
         f"Pillow {PIL.__version__} (pillow-simd active: {pillow_simd_active()}), torch {torch.__version__}, "
         f"transformers {transformers_version()}.",
         "Input: the same JPEG bytes for both sides, decoded by the same Pillow. "
-        "Targets are the Qwen2-VL default sizes (max_pixels 1003520); LLaVA rows crop 336×336 from the same JPEGs.",
+        "Targets (column headers) are the Qwen2-VL default sizes (max_pixels 1003520); LLaVA rows crop 336×336 "
+        "from the same JPEGs; Qwen3-VL rows resize to "
+        + ", ".join(f"{t[1]}×{t[0]}" for t in (qwen3.resized_size(w, h) for w, h in SIZES))
+        + " (its defaults, 16×16 patches).",
         "",
         f"| {unit} | {sizes} |",
         "|---|" + "---:|" * len(SIZES),
@@ -174,7 +195,11 @@ def main() -> None:
         ("q8", "Qwen2-VL uint8"),
         ("qbf", "Qwen2-VL bf16"),
         ("lbf", "LLaVA bf16"),
+        ("q3u8", "Qwen3-VL uint8"),
+        ("q3bf", "Qwen3-VL bf16"),
     ]:
+        if f"hf:{key}" not in rate:
+            continue
         hf = rate[f"hf:{key}"]
         for kind, how in [("ours", "`decode_rgb` + process"), ("alt", "`decode_image` + process"), ("hash", "+ content hash")]:
             if f"{kind}:{key}" in rate:
