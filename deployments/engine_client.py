@@ -9,6 +9,7 @@ replaces the replica, which then waits for a new engine on the same addresses.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -57,6 +58,22 @@ class EngineClientSettings:
     builtin_engine: BuiltinEngineOptions | None = None
     # The engine's multimodal cache, mirrored to send images it holds by hash only.
     mm_cache: EngineCacheSettings = EngineCacheSettings()
+    # Set: this replica launches its engine on Ray (`vllm serve --headless`) and restarts it.
+    engine_launch: EngineLaunchOptions | None = None
+
+
+@dataclass(frozen=True)
+class EngineLaunchOptions:
+    """How to launch one engine (from the application's `engine_launch`)."""
+
+    model: str
+    vllm_command: list[str]
+    engine_args: dict[str, Any]
+    # Ray resources of the engine: bundle 1 of the replica's placement group.
+    resources: dict[str, float]
+    env: dict[str, str]
+    restart_backoff_initial_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
 
 
 class EngineClientServer:
@@ -64,9 +81,19 @@ class EngineClientServer:
 
     def __init__(self, config: EngineClientSettings) -> None:
         self.config = config
-        self.client = EngineClient(
+        self.client = self._new_client(config.addresses.handshake)
+        self.builtin: BuiltinEngineProcess | None = None
+        # The Ray actor running this engine's `vllm serve --headless` (engine_launch only).
+        self.launcher: Any = None
+        self.engine_restarts = 0
+        self._start_task: asyncio.Task[Any] | None = None
+        self._relaunch_task: asyncio.Task[None] | None = None
+
+    def _new_client(self, handshake: str) -> EngineClient:
+        config = self.config
+        return EngineClient(
             EngineClientConfig(
-                addresses=config.addresses,
+                addresses=dataclasses.replace(config.addresses, handshake=handshake),
                 handshake_timeout_s=config.handshake_timeout_s,
                 health_check_interval_s=config.health_check_interval_s,
                 health_check_timeout_s=config.health_check_timeout_s,
@@ -74,8 +101,6 @@ class EngineClientServer:
                 mm_cache=config.mm_cache,
             )
         )
-        self.builtin: BuiltinEngineProcess | None = None
-        self._start_task: asyncio.Task[Any] | None = None
 
     async def start(self) -> None:
         """Bind now; complete the handshake in the background (the engine may take minutes)."""
@@ -90,8 +115,48 @@ class EngineClientServer:
                 step_interval_ms=options.step_interval_ms,
             )
             logger.info("started the mmserve BUILT-IN engine (deterministic tokens, no real model), pid %d", self.builtin.pid)
+        elif self.config.engine_launch is not None:
+            await self._launch_engine()
         self._start_task = asyncio.create_task(self.client.start())
         self._start_task.add_done_callback(_log_start_failure)
+
+    async def _launch_engine(self) -> None:
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from deployments.engine_launcher import EngineLauncher
+        from mmserve.launcher.supervisor import vllm_serve_argv
+
+        launch = self.config.engine_launch
+        assert launch is not None and self.client.handshake_address is not None
+        argv = vllm_serve_argv(launch.vllm_command, launch.model, self.client.handshake_address, launch.engine_args)
+        resources = dict(launch.resources)
+        self.launcher = EngineLauncher.options(
+            num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0), resources=resources,
+            # Bundle 1 of this replica's STRICT_PACK group: the engine's resources, on this node.
+            scheduling_strategy=PlacementGroupSchedulingStrategy(get_current_placement_group(), placement_group_bundle_index=1),
+        ).remote(argv, dict(launch.env), {"backoff_initial_s": launch.restart_backoff_initial_s, "backoff_max_s": launch.restart_backoff_max_s})
+        await self.launcher.start.remote()
+        self._relaunch_task = asyncio.create_task(self._relaunch_on_death(), name="engine-relaunch")
+
+    async def _relaunch_on_death(self) -> None:
+        """A launched engine that dies or hangs is restarted; a new engine client waits for it on
+        the same handshake address (the old one released it after its handshake)."""
+        while True:
+            client = self.client
+            await client.dead_event.wait()
+            reason = client.death_reason or "engine dead"
+            self.engine_restarts += 1
+            self.client = self._new_client(client.handshake_address or self.config.addresses.handshake)
+            self.client.bind()
+            self._start_task = asyncio.create_task(self.client.start())
+            self._start_task.add_done_callback(_log_start_failure)
+            if client.hung:
+                # Its process is still there, answering nobody: kill it and start a new one. An
+                # engine that exited (disconnect, ENGINE_CORE_DEAD) is restarted by its launcher
+                # with back-off on its own.
+                await self.launcher.restart.remote(f"its engine client declared it hung: {reason}")
+            await client.close()
 
     async def generate(
         self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None = None
@@ -149,12 +214,26 @@ class EngineClientServer:
         return await self.client.call_utility(method, *args, timeout_s=timeout_s)
 
     def check_health(self) -> None:
+        if self.launcher is not None:
+            # A launched engine is restarted here; only a lost launcher needs a new replica.
+            if self._relaunch_task is not None and self._relaunch_task.done():
+                raise RuntimeError(f"engine relauncher stopped: {self._relaunch_task}")
+            return
         if self.client.state in (EngineState.DEAD, EngineState.CLOSED):
             raise RuntimeError(f"engine is {self.client.state.value}: {self.client.death_reason}")
 
     async def shutdown(self) -> None:
         dead = self.client.state is EngineState.DEAD
+        if self._relaunch_task is not None:
+            self._relaunch_task.cancel()
         await self.client.close()
+        if self.launcher is not None:
+            import ray
+
+            try:
+                await self.launcher.stop.remote()
+            finally:
+                ray.kill(self.launcher)
         if self.builtin is not None:
             if dead and self.builtin.is_alive():
                 # Dead or hung (a SIGSTOPped process would sit on a SIGTERM forever): no
@@ -215,6 +294,12 @@ def _actor_alive(name: str) -> bool:
     return True
 
 
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 def _log_start_failure(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("engine did not start: %s", task.exception())
@@ -262,6 +347,14 @@ class EngineClientDeployment:
 
     def check_health(self) -> None:
         self.server.check_health()
+
+    async def launcher_status(self) -> dict[str, Any] | None:
+        """The launched engine's process tree, starts and exits, and restarts asked for here
+        (None: the engine was not started by this application)."""
+        if self.server.launcher is None:
+            return None
+        status = await self.server.launcher.status.remote()
+        return {**status, "restarts_requested": self.server.engine_restarts, "engine_client_node_id": _node_id()}
 
     def frame_traces(self) -> list[FrameTrace]:
         return list(self.server.client.frame_traces)

@@ -15,6 +15,10 @@ from ray.serve import Application
 from .config import AppConfig
 
 
+# A placement bundle cannot be empty: the engine client reserves a sliver of a CPU.
+ENGINE_CLIENT_CPUS = 0.01
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Build the mmserve application from builder args (see `AppConfig`)."""
     # Imported here so that `import serve_app` stays light for tools and tests.
@@ -27,9 +31,18 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     from .settings import engine_client_settings, preprocessor_scaling, preprocessor_settings, serving_settings
 
     config = AppConfig.model_validate(args or {})
-    actor_options = {"num_cpus": 0, "resources": dict(config.engine_client_resources)}
+    actor_options: dict = {"num_cpus": 0, "resources": dict(config.engine_client_resources)}
+    placement: dict = {}
+    if config.engine_launch is not None:
+        # Bundle 0: the engine client; bundle 1: its engine's launcher. STRICT_PACK puts both on one
+        # node (placed by the engine's resources), so they talk over loopback.
+        actor_options = {"num_cpus": ENGINE_CLIENT_CPUS}
+        placement = {
+            "placement_group_bundles": [{"CPU": ENGINE_CLIENT_CPUS}, dict(config.engine_launch.resources)],
+            "placement_group_strategy": "STRICT_PACK",
+        }
     engines = [
-        EngineClientDeployment.options(name=f"EngineClient{i}", ray_actor_options=actor_options).bind(
+        EngineClientDeployment.options(name=f"EngineClient{i}", ray_actor_options=actor_options, **placement).bind(
             engine_client_settings(config, endpoint)
         )
         for i, endpoint in enumerate(config.engine_endpoints())

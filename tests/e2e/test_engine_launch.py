@@ -1,0 +1,147 @@
+"""Engines launched on Ray by the application (`engine_launch`): a real `vllm serve --headless` CPU
+engine started by a Ray actor in its engine client's STRICT_PACK placement group (same node, loopback),
+serving requests; killed, it is restarted by its launcher and rejoins with no manual step (requests in
+flight on it get a clear error); after the application is deleted no process of any engine it ran is
+left (listed from /proc)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import openai
+import pytest
+from ray import serve
+
+from tests.conftest import TINY_MODEL_NAME, deploy_app
+from tests.e2e.fault_support import wait_for
+from tests.support.vllm_reference import VLLM_CPU_ENV
+
+pytestmark = pytest.mark.serve
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _engine_processes(port: int) -> list[int]:
+    """Processes whose command line names the engine's handshake port (the engine's launcher process)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"--data-parallel-rpc-port" in argv and argv[argv.index(b"--data-parallel-rpc-port") + 1] == str(port).encode():
+                found.append(int(entry))
+    return found
+
+
+def _chat(app, text: str, max_tokens: int = 8):
+    return app.openai(timeout=120).chat.completions.create(
+        model=TINY_MODEL_NAME, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0.0)
+
+
+def _answers(app) -> bool:
+    try:
+        return _chat(app, "hello again").choices[0].finish_reason in ("stop", "length")
+    except openai.APIError:
+        return False
+
+
+@pytest.mark.real_engine
+def test_launched_engine_serves_restarts_and_leaves_nothing(serve_instance, tiny_qwen2_vl_dir):
+    name = "launched"
+    env = dict(VLLM_CPU_ENV)
+    args = {
+        "model": str(tiny_qwen2_vl_dir), "served_model_name": TINY_MODEL_NAME,
+        "handshake_timeout_s": 600, "health_check_timeout_s": 20,
+        "engine_launch": {
+            "count": 1,
+            "engine_args": {"max-model-len": 1024, "enforce-eager": True, "dtype": "bfloat16", "seed": 0},
+            "resources": {"CPU": 1},
+            "env": env,
+            "vllm_command": [sys.executable, "-m", "vllm.entrypoints.cli.main"],
+            "restart_backoff_initial_s": 0.5,
+        },
+    }
+    seen: set[int] = set()
+    port = None
+    try:
+        app = deploy_app(serve_instance, name, args, ready_timeout_s=900)
+        first = _chat(app, "hello")
+        assert first.usage.completion_tokens > 0
+        handle = app.engine_handle(0)
+        status = handle.launcher_status.remote().result(timeout_s=30)
+        info = app.engine_info()
+        port = int(info.handshake_address.rsplit(":", 1)[1])
+        assert info.handshake_address.startswith("tcp://127.0.0.1:"), info  # loopback: same node
+        assert status["starts"] == 1 and len(status["tree"]) >= 2, status  # vllm serve + its EngineCore
+        assert status["node_id"] == status["engine_client_node_id"], status
+        seen.update(status["tree"])
+        assert _engine_processes(port) == [status["tree"][0]]
+
+        # Kill the engine's whole process tree: a crash, as far as anyone can tell.
+        for pid in status["tree"]:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: app.engine_info().state != "ready", 30, "engine client noticed the crash")
+        wait_for(lambda: _answers(app), 900, "the relaunched engine serves", interval_s=2.0)
+        status = handle.launcher_status.remote().result(timeout_s=30)
+        assert status["starts"] == 2, status
+        assert status["exits"] and status["exits"][0] == -signal.SIGKILL, status
+        assert app.engine_info().state == "ready"
+        seen.update(status["tree"])
+    finally:
+        serve.delete(name, _blocking=True)
+    # Nothing of either engine is left, nor anything naming its port.
+    wait_for(lambda: not any(_alive(pid) for pid in seen), 30, f"engine processes {sorted(seen)} gone")
+    if port is not None:
+        wait_for(lambda: not _engine_processes(port), 30, "no process names the engine's port")
+
+
+def test_launched_engine_declared_hung_is_killed_and_restarted(serve_instance):
+    """The same launcher with the built-in engine behind a `vllm serve`-shaped command line (seconds
+    instead of minutes): a SIGSTOPped engine is declared hung by its engine client, the launcher
+    kills it and starts a new one at once, and the service answers again with no manual step."""
+    from serve_app.config import BUILTIN_MODEL_DIR
+
+    name = "launched-hang"
+    shim = os.path.join(os.path.dirname(__file__), "..", "support", "builtin_as_vllm.py")
+    args = {
+        "model": str(BUILTIN_MODEL_DIR), "served_model_name": "mmserve-builtin",
+        "health_check_interval_s": 0.5, "health_check_timeout_s": 1.0,
+        "engine_launch": {"engine_args": {"max-model-len": 2048}, "resources": {"CPU": 1},
+                          "vllm_command": [sys.executable, shim], "restart_backoff_initial_s": 30},
+    }
+    seen: set[int] = set()
+    try:
+        app = deploy_app(serve_instance, name, args, ready_timeout_s=120)
+        chat = lambda: app.openai(timeout=30).chat.completions.create(  # noqa: E731
+            model="mmserve-builtin", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert chat().usage.completion_tokens > 0
+        handle = app.engine_handle(0)
+        status = handle.launcher_status.remote().result(timeout_s=30)
+        seen.update(status["tree"])
+        for pid in status["tree"]:
+            os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        wait_for(lambda: handle.launcher_status.remote().result(timeout_s=30)["starts"] == 2, 30, "launcher restarted the hung engine")
+        # The restart was asked for (back-off is 30 s: an exit-driven restart would not be this quick).
+        assert time.monotonic() - stopped_at < 20
+        wait_for(lambda: app.engine_info().state == "ready", 60, "new engine ready")
+        assert chat().usage.completion_tokens > 0
+        status = handle.launcher_status.remote().result(timeout_s=30)
+        assert status["restarts_requested"] == 1 and status["exits"] == [-signal.SIGKILL], status
+        assert not any(_alive(pid) for pid in seen)
+        seen.update(status["tree"])
+    finally:
+        serve.delete(name, _blocking=True)
+    wait_for(lambda: not any(_alive(pid) for pid in seen), 30, f"engine processes {sorted(seen)} gone")

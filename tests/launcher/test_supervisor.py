@@ -1,0 +1,118 @@
+"""The engine supervisor on real process trees: a parent that prints, starts a grandchild which
+ignores SIGTERM (as a stuck vLLM worker might), and exits or hangs on demand. Every test ends by
+listing /proc: nothing of any tree it started may be left."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from mmserve.launcher.supervisor import EngineSupervisor, RestartPolicy, process_tree, vllm_serve_argv
+
+FAKE_ENGINE = r"""
+import os, signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+print(f"engine up, child {child.pid}", flush=True)
+if sys.argv[1] == "exit":
+    time.sleep(0.5)
+    sys.exit(3)
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # exits, leaving its stubborn child behind
+while True:
+    time.sleep(1)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+async def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout_s} s")
+
+
+def _supervisor(mode: str, caplog=None, **policy) -> EngineSupervisor:
+    log = logging.getLogger("test.engine")
+    return EngineSupervisor([sys.executable, "-c", FAKE_ENGINE, mode], policy=RestartPolicy(**policy), log=log)
+
+
+async def test_stop_leaves_no_process_even_a_child_that_ignores_sigterm(caplog):
+    caplog.set_level(logging.INFO, "test.engine")
+    sup = _supervisor("run", stop_timeout_s=2.0)
+    sup.start()
+    tree = await _wait(lambda: len(sup.tree()) == 2 and sup.tree(), 20, "engine and child running")
+    await _wait(lambda: "engine up" in caplog.text, 10, "output forwarded to the log")
+    assert all(_alive(pid) for pid in tree)
+    await sup.stop()
+    await _wait(lambda: not any(_alive(pid) for pid in tree), 5, "tree gone")
+    assert sup.starts == 1
+
+
+async def test_exit_is_restarted_with_doubling_backoff():
+    sup = _supervisor("exit", backoff_initial_s=0.5, backoff_max_s=1.0, stop_timeout_s=2.0)
+    sup.start()
+    seen: set[int] = set()
+    started = time.monotonic()
+
+    def three_starts():
+        seen.update(sup.tree())
+        return sup.starts >= 3
+
+    await _wait(three_starts, 30, "three starts")
+    # Each run lives ≈0.5 s; back-offs 0.5 then 1.0 s before the third start.
+    assert time.monotonic() - started >= 2.0
+    assert sup.exits[:2] == [3, 3]
+    await sup.stop()
+    await _wait(lambda: not any(_alive(pid) for pid in seen), 5, "no orphan of any run (the children left by exits included)")
+
+
+async def test_restart_kills_a_hung_tree_and_starts_at_once():
+    sup = _supervisor("run", backoff_initial_s=30, stop_timeout_s=2.0)
+    sup.start()
+    tree = await _wait(lambda: len(sup.tree()) == 2 and sup.tree(), 20, "running")
+    for pid in tree:
+        os.kill(pid, signal.SIGSTOP)  # hung: nothing answers, not even SIGTERM
+    began = time.monotonic()
+    await sup.restart("declared hung by its engine client")
+    new_tree = await _wait(lambda: len(sup.tree()) == 2 and sup.tree(), 20, "running again")
+    assert time.monotonic() - began < 10  # no 30 s back-off for a requested restart
+    assert not set(new_tree) & set(tree)
+    await _wait(lambda: not any(_alive(pid) for pid in tree), 5, "hung tree gone")
+    await sup.stop()
+    await _wait(lambda: not any(_alive(pid) for pid in new_tree), 5, "tree gone")
+
+
+def test_vllm_serve_argv_passes_engine_args_as_flags():
+    argv = vllm_serve_argv(
+        ["vllm"], "/models/m", "tcp://10.0.0.5:29550",
+        {"max-model-len": 1024, "enforce_eager": True, "mm-processor-cache-gb": 0, "enable-prefix-caching": False,
+         "allowed-local-media-path": None, "limit-mm-per-prompt": '{"image": 2}'},
+    )
+    assert argv == [
+        "vllm", "serve", "/models/m", "--headless", "--data-parallel-address", "10.0.0.5", "--data-parallel-rpc-port", "29550",
+        "--max-model-len", "1024", "--enforce-eager", "--mm-processor-cache-gb", "0", "--no-enable-prefix-caching",
+        "--limit-mm-per-prompt", '{"image": 2}',
+    ]
+    with pytest.raises(ValueError, match="set by the launcher"):
+        vllm_serve_argv(["vllm"], "m", "tcp://127.0.0.1:1", {"data-parallel-rpc-port": 5})
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        vllm_serve_argv(["vllm"], "m", "ipc:///tmp/x", {})
+
+
+def test_process_tree_lists_descendants():
+    assert process_tree(os.getpid())[0] == os.getpid()
