@@ -39,6 +39,7 @@ MMSERVE_DEPENDS_ON: dict[str, set[str]] = {
     "mmserve.text": {"mmserve.model_files", "mmserve.tokenizer_files"},
     "mmserve.multimodal": {"mmserve.wire", "mmserve.model_files", "mmserve.fetch", "mmserve.vision", "mmserve.text"},
     "mmserve.builtin_engine": {"mmserve.wire", "mmserve.model_files"},
+    "mmserve.launcher": set(),
     "mmserve.openai": {
         "mmserve.wire", "mmserve.protocol", "mmserve.engine", "mmserve.text", "mmserve.multimodal", "mmserve.vision",
     },

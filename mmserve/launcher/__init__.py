@@ -1,0 +1,1 @@
+"""Running engine processes: `supervisor.py` keeps one `vllm serve --headless` alive (no Ray, no vLLM import)."""
