@@ -3,6 +3,11 @@
 Ray is small here (the machine has 2 cores): logical CPUs are scheduling labels only.
 Each application gets its own route prefix, so the built-in-engine app and the real-vLLM
 app run side by side in the same Serve instance.
+
+The suite runs in two parts (scripts/test.sh): from the gateway venv `.venv` (README's quick start
+install, no vllm/torch/transformers) with `-m "not reference"`, which is where every Serve
+application runs; and from the reference venv `.venv-ref` with `-m reference`: the tests listed in
+REFERENCE_TESTS, which call vLLM's or Hugging Face's own functions in the pytest process.
 """
 
 from __future__ import annotations
@@ -15,10 +20,73 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _pytest.mark.expression import Expression
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+# --------------------------------------------------------------------------- the two venvs
+
+# Tests that import vllm, torch or transformers in the pytest process (their own comparisons with
+# vLLM's or Hugging Face's functions) get the `reference` marker: a whole file ("*"), or the tests of
+# a file by function name. Tests using a fixture of REFERENCE_FIXTURES are reference tests too.
+# Engines, vLLM's offline reference and the tiny-model builders run as reference-venv *processes*
+# (tests/support/reference_venv.py), so the tests that only start them stay in the gateway part.
+REFERENCE_TESTS: dict[str, str | set[str]] = {
+    "tests/support_tests/test_vllm_tooling.py": "*",
+    "tests/text/test_stop_strings.py": "*",
+    "tests/text/test_tokenizer_classes.py": "*",
+    "tests/text/test_chat_template.py": {"test_content_format_detection_matches_vllm", "test_content_format_detection_variants"},
+    "tests/vision/test_fast_paths.py": "*",
+    "tests/vision/test_image_io.py": "*",
+    "tests/vision/test_llava.py": "*",
+    "tests/vision/test_qwen2_vl.py": "*",
+    "tests/vision/test_resize.py": "*",
+    "tests/wire/test_vllm_interop.py": "*",
+}
+REFERENCE_FIXTURES = {
+    "hf_tokenizer",  # tests/text/conftest.py: transformers' AutoTokenizer
+    "vllm_codec",  # tests/builtin_engine/test_builtin_engine.py: vLLM's msgpack codec and structs
+}
+_TESTS_ROOT = Path(__file__).resolve().parent
+
+
+def _relative(path: Path) -> str:
+    return str(Path("tests") / Path(path).resolve().relative_to(_TESTS_ROOT))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "reference: imports vllm/torch/transformers in-process; runs from .venv-ref")
+
+
+def _excludes_reference(config: pytest.Config) -> bool:
+    """True when `-m` leaves out every reference test (the gateway part: `-m "not reference"`)."""
+    markexpr = config.getoption("markexpr")
+    if not markexpr:
+        return False
+    expression = Expression.compile(markexpr)
+    # Reference, whatever other markers it has.
+    return not any(expression.evaluate(lambda name, other=other, **_: name == "reference" or other) for other in (False, True))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    # Whole reference files import vllm/torch/transformers at module level: never even import them
+    # in the gateway part.
+    if collection_path.suffix == ".py" and collection_path.is_relative_to(_TESTS_ROOT):
+        if REFERENCE_TESTS.get(_relative(collection_path)) == "*" and _excludes_reference(config):
+            return True
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        listed = REFERENCE_TESTS.get(_relative(item.path))
+        name = getattr(item, "originalname", item.name)
+        if listed == "*" or (listed and name in listed) or REFERENCE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.reference)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.support.reference_venv import call_in_reference
 from tests.support.vllm_reference import run_offline_reference
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
@@ -68,15 +69,11 @@ def _stream_chat(vllm_app, messages, **kwargs):
 
 
 def test_prompt_ids_equal_hugging_face_apply_chat_template(vllm_app, greedy_reference):
-    from transformers import AutoTokenizer
-
-    hf = AutoTokenizer.from_pretrained(vllm_app.model_dir)
-    for chat, ref in zip(CHATS, greedy_reference):
-        hf_ids = hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
-        if isinstance(hf_ids, dict) or hasattr(hf_ids, "input_ids"):
-            hf_ids = hf_ids["input_ids"]
+    # transformers lives in the reference venv; this test (and the Serve app) run from the gateway venv.
+    hf_ids = call_in_reference("tests.support.hf_reference:chat_template_ids", str(vllm_app.model_dir), CHATS)
+    for chat, hf_chat_ids, ref in zip(CHATS, hf_ids, greedy_reference, strict=True):
         ours = _chat(vllm_app, chat, **GREEDY)
-        assert ours.model_extra["prompt_token_ids"] == list(hf_ids) == ref.prompt_token_ids
+        assert ours.model_extra["prompt_token_ids"] == hf_chat_ids == ref.prompt_token_ids
 
 
 @pytest.mark.parametrize("case", range(len(CHATS)))

@@ -9,7 +9,8 @@ own init (std 0.02, norms at 1) gives nearly flat logits, and greedy decoding th
 whatever the input. With std 0.2 the logits have a spread of a few units, so greedy outputs depend on
 the prompt and the image. Everything is deterministic for a given seed (CPU, fixed draw order).
 
-Tests may import torch/transformers; the gateway never does.
+The builders need torch and transformers, so they run in the reference venv (a subprocess of
+``reference_venv.reference_python()``): the tests that use these models run from the gateway venv.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+
+from .reference_venv import call_in_reference
 
 REPO = Path(__file__).resolve().parents[2]
 BUILTIN_MODEL_DIR = REPO / "mmserve" / "builtin_engine" / "model"
@@ -48,6 +51,11 @@ def _save_weights(model, dest: Path) -> None:
 
 def build_tiny_qwen2_vl(dest: Path, seed: int = 0) -> Path:
     """Copy the built-in Qwen2-VL model dir to ``dest`` and add random bf16 weights. Returns ``dest``."""
+    call_in_reference("tests.support.tiny_models:_build_tiny_qwen2_vl_here", str(dest), seed)
+    return Path(dest)
+
+
+def _build_tiny_qwen2_vl_here(dest: str, seed: int) -> None:  # in the reference venv
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
@@ -62,7 +70,6 @@ def build_tiny_qwen2_vl(dest: Path, seed: int = 0) -> Path:
     _redraw_(model, seed)
     model = model.to(torch.bfloat16)
     _save_weights(model, dest)
-    return dest
 
 
 def _qwen2_5_vl_config() -> dict:
@@ -412,6 +419,11 @@ def llava_model_files() -> dict[str, dict | str]:
 def build_tiny_llava(dest: Path, seed: int = 0) -> Path:
     """A tiny LLaVA-1.5 (CLIP ViT 336/14 tower with 2 layers, Llama decoder hidden 128) with random
     bf16 weights, in llava-hf's file and state-dict layout. Returns ``dest``."""
+    call_in_reference("tests.support.tiny_models:_build_tiny_llava_here", str(dest), seed)
+    return Path(dest)
+
+
+def _build_tiny_llava_here(dest: str, seed: int) -> None:  # in the reference venv
     import torch
     from safetensors.torch import save_file
     from transformers import LlavaConfig, LlavaForConditionalGeneration
@@ -433,4 +445,3 @@ def build_tiny_llava(dest: Path, seed: int = 0) -> Path:
             k = "model.vision_tower.vision_model." + k[len("model.vision_tower."):]
         state[k] = v.to(torch.bfloat16).contiguous()
     save_file(dict(sorted(state.items())), str(dest / "model.safetensors"), metadata={"format": "pt"})
-    return dest

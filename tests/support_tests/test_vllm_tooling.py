@@ -126,13 +126,10 @@ def test_builtin_model_loads_in_transformers():
 
 
 def test_tiny_weights_deterministic(tmp_path, tiny_qwen2_vl):
-    t0 = time.monotonic()
     again = build_tiny_qwen2_vl(tmp_path / "again", seed=0)
-    elapsed = time.monotonic() - t0
     assert (again / "model.safetensors").read_bytes() == (tiny_qwen2_vl / "model.safetensors").read_bytes()
     other = build_tiny_qwen2_vl(tmp_path / "other", seed=1)
     assert (other / "model.safetensors").read_bytes() != (tiny_qwen2_vl / "model.safetensors").read_bytes()
-    assert elapsed < 60
 
 
 # ---------------------------------------------------------------------------------------------
