@@ -35,6 +35,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 # Engines, vLLM's offline reference and the tiny-model builders run as reference-venv *processes*
 # (tests/support/reference_venv.py), so the tests that only start them stay in the gateway part.
 REFERENCE_TESTS: dict[str, str | set[str]] = {
+    "tests/engine/test_mm_cache_mirror.py": "*",
+    "tests/multimodal/test_family_pixels.py": "*",
     "tests/support_tests/test_vllm_tooling.py": "*",
     "tests/text/test_stop_strings.py": "*",
     "tests/text/test_tokenizer_classes.py": "*",

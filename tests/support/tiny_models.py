@@ -116,6 +116,11 @@ def write_qwen2_5_vl_files(dest: Path) -> Path:
 def build_tiny_qwen2_5_vl(dest: Path, seed: int = 0) -> Path:
     """The built-in model dir's tokenizer, chat template and Qwen2-VL image processor (Qwen2.5-VL keeps
     that processor class) with a Qwen2.5-VL config and random bf16 weights. Returns ``dest``."""
+    call_in_reference("tests.support.tiny_models:_build_tiny_qwen2_5_vl_here", str(dest), seed)
+    return Path(dest)
+
+
+def _build_tiny_qwen2_5_vl_here(dest: str, seed: int) -> None:  # in the reference venv
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -126,7 +131,6 @@ def build_tiny_qwen2_5_vl(dest: Path, seed: int = 0) -> Path:
     _redraw_(model, seed)
     model = model.to(torch.bfloat16)
     _save_weights(model, dest)
-    return dest
 
 
 # Qwen3-VL's image processor (Qwen2VLImageProcessor with 16x16 patches, factor 32, mean/std 0.5).
@@ -212,6 +216,11 @@ def write_qwen3_vl_files(dest: Path) -> Path:
 
 def build_tiny_qwen3_vl(dest: Path, seed: int = 0) -> Path:
     """``write_qwen3_vl_files`` plus random bf16 weights. Returns ``dest``."""
+    call_in_reference("tests.support.tiny_models:_build_tiny_qwen3_vl_here", str(dest), seed)
+    return Path(dest)
+
+
+def _build_tiny_qwen3_vl_here(dest: str, seed: int) -> None:  # in the reference venv
     import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -222,7 +231,6 @@ def build_tiny_qwen3_vl(dest: Path, seed: int = 0) -> Path:
     _redraw_(model, seed)
     model = model.to(torch.bfloat16)
     _save_weights(model, dest)
-    return dest
 
 
 # ------------------------------------------------------------------------------------------------
