@@ -17,6 +17,7 @@ from ray import serve
 
 from tests.conftest import TINY_MODEL_NAME, deploy_app
 from tests.e2e.fault_support import wait_for
+from tests.support.reference_venv import reference_python
 from tests.support.vllm_reference import VLLM_CPU_ENV
 
 pytestmark = pytest.mark.serve
@@ -69,7 +70,8 @@ def test_launched_engine_serves_restarts_and_leaves_nothing(serve_instance, tiny
             "engine_args": {"max-model-len": 1024, "enforce-eager": True, "dtype": "bfloat16", "seed": 0},
             "resources": {"CPU": 1},
             "env": env,
-            "vllm_command": [sys.executable, "-m", "vllm.entrypoints.cli.main"],
+            # The gateway (this venv) launches vLLM installed elsewhere: the reference venv's.
+            "vllm_command": [reference_python(), "-m", "vllm.entrypoints.cli.main"],
             "restart_backoff_initial_s": 0.5,
         },
     }
