@@ -1,0 +1,36 @@
+"""Colocation on a multi-node Ray cluster (two nodes on this machine, its own cluster in a child
+process): engines launched by the application land, with their engine clients, on the node that has
+the engines' resource; requests are served across both; nothing is left after the app is deleted.
+The engines are the built-in engine behind a `vllm serve`-shaped command line (seconds, not minutes);
+placement does not depend on what the engine process is."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.vllm_engines import free_tcp_port
+
+pytestmark = pytest.mark.serve
+
+SCENARIO = Path(__file__).with_name("multinode_colocation_scenario.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_launched_engines_and_their_clients_share_the_engine_node():
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, str(SCENARIO), str(free_tcp_port())], capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(lines[-1])
+    assert result["engine_node"] != result["head_node"]
+    for placement in result["placements"]:
+        assert placement == {"client": result["engine_node"], "engine": result["engine_node"]}, result
+    assert result["answers"] == [200] * 8, result
+    assert all(n >= 1 for n in result["requests_per_engine"]), result  # served across both engines
+    assert all(result["engine_pids"]) and result["left_after_delete"] == [], result
