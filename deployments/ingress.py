@@ -29,7 +29,7 @@ from ray.exceptions import TaskCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from mmserve.openai.errors import OpenAIError, bad_request, internal_error, openai_error
-from mmserve.openai.intake import BodyCaps, BudgetLease, ByteBudget, CountLimits, ShapeChecker, read_body, scan_data_uris
+from mmserve.openai.intake import BodyCaps, BudgetLease, ByteBudget, CountLimits, HeapTrimmer, ShapeChecker, read_body, scan_data_uris
 from mmserve.openai.metrics import CLIENT_CLOSED, Metrics, RequestRecord, send_request_log_to
 from mmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from mmserve.openai.serving import OpenAIServer
@@ -91,7 +91,8 @@ class Ingress:
         self.server = OpenAIServer(settings, self.router, self.metrics)
         limits = settings.limits
         self.body_caps = BodyCaps.from_settings(settings, images_allowed=self.server.image_family is not None)
-        self.budget = ByteBudget(limits.ingress_body_budget_bytes, limits.small_request_bytes)
+        self.heap_trimmer = HeapTrimmer()  # large bodies' memory back to the OS after they are done
+        self.budget = ByteBudget(limits.ingress_body_budget_bytes, limits.small_request_bytes, self.heap_trimmer.request)
         self.shapes = ShapeChecker(CountLimits.from_settings(settings))
         key = settings.api_key or os.environ.get("MMSERVE_API_KEY") or None
         self._api_key = key.encode() if key else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 
@@ -16,6 +17,7 @@ from mmserve.openai.intake import (
     BodyCaps,
     ByteBudget,
     CountLimits,
+    HeapTrimmer,
     ShapeChecker,
     base64_chars,
     read_body,
@@ -134,6 +136,61 @@ def test_budget_refuses_large_bodies_past_it_and_always_admits_small_ones():
     second.reserve(2 * MiB)
     small.release(), second.release()
     assert budget.used == 0 and budget.refused == 1
+
+
+def test_releasing_a_large_body_asks_for_a_heap_trim_and_small_ones_do_not():
+    asked = []
+    budget = ByteBudget(limit_bytes=10 * MiB, small_bytes=64 * 1024, after_large=lambda: asked.append(1))
+    small = budget.lease()
+    small.reserve(32 * 1024)
+    small.release()
+    assert asked == []
+    large = budget.lease()
+    large.reserve(1 * MiB)
+    large.release()
+    assert asked == [1] and budget.used == 0
+
+
+def test_heap_trims_are_coalesced_and_the_last_request_is_always_followed_by_one():
+    calls = []
+
+    async def scenario() -> None:
+        trimmer = HeapTrimmer(delay_s=0.05, trim=lambda: calls.append(1))
+        for _ in range(5):
+            trimmer.request()
+        await asyncio.sleep(0.1)
+        assert calls == [1]
+        trimmer.request()
+        await asyncio.sleep(0.1)
+        assert calls == [1, 1] and trimmer.trims == 2
+
+    asyncio.run(scenario())
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_the_default_trim_gives_freed_heap_memory_back_to_the_os():
+    calls = []
+
+    async def scenario() -> None:
+        trimmer = HeapTrimmer(delay_s=0)
+        assert trimmer._trim is not None, "glibc's malloc_trim not found"
+        real_trim = trimmer._trim
+        trimmer._trim = lambda: calls.append(real_trim())
+        # What a large parsed body leaves behind: many small-to-medium heap blocks, freed.
+        body = b"[" + b",".join([b'{"role": "user", "content": "%s"}' % (b"x" * 600)] * 60_000) + b"]"
+        parsed = json.loads(body)
+        del body, parsed
+        before = _rss_bytes()
+        trimmer.request()
+        await asyncio.sleep(0.05)
+        freed = before - _rss_bytes()
+        assert calls and freed > 16 * MiB, f"malloc_trim gave back {freed / MiB:.1f} MiB"
+
+    asyncio.run(scenario())
 
 
 def test_declared_length_is_admitted_by_the_budget_before_the_body_is_read():
