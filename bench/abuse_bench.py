@@ -44,6 +44,7 @@ import os
 import platform
 import random
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -147,31 +148,6 @@ class Answer:
     message: str = ""
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ", 2)[1])
-    headers = {}
-    for line in lines[1:]:
-        if ":" in line:
-            k, v = line.split(":", 1)
-            headers[k.strip().lower()] = v.strip()
-    if "content-length" in headers:
-        payload = await reader.readexactly(int(headers["content-length"]))
-    elif headers.get("transfer-encoding", "").lower() == "chunked":
-        parts = []
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).strip().split(b";")[0], 16)
-            if size == 0:
-                break
-            parts.append(await reader.readexactly(size))
-            await reader.readexactly(2)
-        payload = b"".join(parts)
-    else:
-        payload = await reader.read()
-    return status, headers, payload
-
-
 def _is_openai_error(payload: bytes) -> tuple[bool, str]:
     try:
         error = json.loads(payload)["error"]
@@ -182,37 +158,101 @@ def _is_openai_error(payload: bytes) -> tuple[bool, str]:
 
 
 async def send_abusive(port: int, kind: str, route: str, body: bytes, timeout_s: float) -> Answer:
-    """POST `body`; stop sending as soon as an answer arrives (as a real client's library does)."""
+    """POST `body`; stop sending as soon as an answer arrives (as a real client's library does).
+
+    A raw non-blocking socket: a failed send (the server answered early and closed) must not hide
+    an answer already received, as it would with asyncio's streams. A server that closes with
+    unread bytes makes the kernel send a reset, which may discard the answer: that is "no answer".
+    """
+    loop = asyncio.get_running_loop()
     t0 = time.monotonic()
     sent = 0
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
     try:
-        reader, writer = await asyncio.open_connection(HOST, port)
+        await loop.sock_connect(sock, (HOST, port))
     except OSError as exc:
+        sock.close()
         return Answer(kind, None, time.monotonic() - t0, 0, f"connect: {type(exc).__name__}")
 
     async def send() -> None:
         nonlocal sent
-        writer.write(f"POST {route} HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
+        await loop.sock_sendall(sock, f"POST {route} HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
+                                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
         view = memoryview(body)
         for i in range(0, len(body), SEND_CHUNK):
-            writer.write(view[i:i + SEND_CHUNK])
-            await writer.drain()
+            await loop.sock_sendall(sock, view[i:i + SEND_CHUNK])
             sent = min(len(body), i + SEND_CHUNK)
+
+    async def receive() -> bytes:
+        data = bytearray()
+        try:
+            while chunk := await loop.sock_recv(sock, 65536):
+                data += chunk
+                if _complete(data):
+                    break
+        except ConnectionError:
+            pass  # a reset after (part of) the answer: judged by what arrived
+        return bytes(data)
 
     sender = asyncio.create_task(send())
     try:
-        status, headers, payload = await asyncio.wait_for(_read_response(reader), timeout_s)
+        raw = await asyncio.wait_for(receive(), timeout_s)
     except asyncio.TimeoutError:
         return Answer(kind, None, time.monotonic() - t0, sent, f"no answer in {timeout_s:.0f} s")
-    except (ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError) as exc:
-        return Answer(kind, None, time.monotonic() - t0, sent, f"connection: {type(exc).__name__}")
     finally:
         sender.cancel()
         await asyncio.gather(sender, return_exceptions=True)
-        writer.close()
+        sock.close()
+    seconds = time.monotonic() - t0
+    parsed = _parse_response(raw)
+    if parsed is None:
+        return Answer(kind, None, seconds, sent, "connection closed/reset without an answer" if not raw else "incomplete answer")
+    status, headers, payload = parsed
     shape, message = _is_openai_error(payload)
-    return Answer(kind, status, time.monotonic() - t0, sent, None, shape, "retry-after" in headers, message)
+    return Answer(kind, status, seconds, sent, None, shape, "retry-after" in headers, message)
+
+
+def _parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes] | None:
+    head, sep, rest = raw.partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    lines = head.decode("latin-1").split("\r\n")
+    try:
+        status = int(lines[0].split(" ", 2)[1])
+    except (IndexError, ValueError):
+        return None
+    headers = {}
+    for line in lines[1:]:
+        if ":" in line:
+            k, v = line.split(":", 1)
+            headers[k.strip().lower()] = v.strip()
+    if "content-length" in headers:
+        n = int(headers["content-length"])
+        return (status, headers, rest[:n]) if len(rest) >= n else None
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        parts, pos = [], 0
+        while True:
+            eol = rest.find(b"\r\n", pos)
+            if eol == -1:
+                return None
+            size = int(rest[pos:eol].split(b";")[0], 16)
+            if size == 0:
+                return status, headers, b"".join(parts)
+            parts.append(rest[eol + 2:eol + 2 + size])
+            pos = eol + 2 + size + 2
+    return status, headers, rest
+
+
+def _complete(data: bytearray) -> bool:
+    head, sep, rest = bytes(data).partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.decode("latin-1").split("\r\n")[1:]:
+        k, _, v = line.partition(":")
+        if k.strip().lower() == "content-length":
+            return len(rest) >= int(v.strip())
+    return rest.endswith(b"0\r\n\r\n")
 
 
 # ----------------------------------------------------------------------------- slow connections
@@ -333,8 +373,10 @@ def _with_python(proc: Any, python: Path) -> Any:
 class MmserveSetup:
     name = "mmserve"
 
-    def __init__(self, model_dir: Path, work: Path) -> None:
-        self.model_dir, self.work = model_dir, work
+    def __init__(self, model_dir: Path, work: Path, extra_env: dict[str, str] | None = None) -> None:
+        self.model_dir, self.work, self.extra_env = model_dir, work, extra_env or {}
+        if self.extra_env:
+            self.name = "mmserve " + " ".join(f"{k}={v}" for k, v in self.extra_env.items())
 
     def start(self) -> str:
         handshake = free_tcp_port()
@@ -349,7 +391,7 @@ class MmserveSetup:
             "applications": [{"name": "abuse", "route_prefix": "/", "import_path": "serve_app:build_app", "args": args}],
         }))
         ray_tmp = Path(tempfile.mkdtemp(prefix="ab8b_", dir="/tmp"))  # short: Ray's socket paths must fit
-        env = serve_env() | {"RAY_TMPDIR": str(ray_tmp)}
+        env = serve_env() | {"RAY_TMPDIR": str(ray_tmp)} | self.extra_env
         self.serve = ServeRunProcess(f"{REPO / '.venv' / 'bin' / 'serve'} run {config}", REPO, self.work / "serve.log", port, env)
         self.serve.start(ready_timeout_s=900)
         return self.serve.base_url
@@ -620,6 +662,19 @@ def build_model(dest: Path) -> Path:
     return dest
 
 
+def load_results(path: str, exclude: list[str]) -> list[RunResult]:
+    names = {"mmserve": MmserveSetup.name, "vllm": VllmSetup.name}
+    skip = {names.get(e, e) for e in exclude}
+    out = []
+    for d in json.loads(Path(path).read_text()):
+        if d["setup"] in skip:
+            continue
+        d["answers"] = [Answer(**a) for a in d["answers"]]
+        d["slow"] = SlowStats(**{**d["slow"], "answered": {int(k): v for k, v in d["slow"]["answered"].items()}})
+        out.append(RunResult(**d))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setups", default="mmserve,vllm")
@@ -632,6 +687,8 @@ def main() -> None:
     parser.add_argument("--request-timeout-s", type=float, default=180.0)
     parser.add_argument("--deadline-s", type=float, default=600.0)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "abuse.md"))
+    parser.add_argument("--serve-env", action="append", default=[], help="KEY=VALUE for serve run (e.g. glibc malloc settings)")
+    parser.add_argument("--reuse", help="a results JSON of an earlier run: its runs of setups not run now are reported too")
     args = parser.parse_args()
     command = "python bench/abuse_bench.py " + " ".join(sys.argv[1:])
 
@@ -639,16 +696,17 @@ def main() -> None:
     bodies = make_bodies(int(30 * MB * args.scale))
     schedule = abuse_schedule(args.per_kind, args.text_prompts)
     print({k: f"{len(b) / MB:.1f} MB" for k, (_, b) in bodies.items()}, f"{len(schedule)} abusive requests", flush=True)
-    results: list[RunResult] = []
+    results: list[RunResult] = load_results(args.reuse, exclude=args.setups.split(",")) if args.reuse else []
     for name in args.setups.split(","):
         work = Path(tempfile.mkdtemp(prefix=f"abuse_{name}_"))
-        setup = MmserveSetup(model_dir, work) if name == "mmserve" else VllmSetup(model_dir, work)
+        setup = MmserveSetup(model_dir, work, dict(e.split("=", 1) for e in args.serve_env)) if name == "mmserve" else VllmSetup(model_dir, work)
         print(f"== {setup.name}: starting (logs in {work})", flush=True)
         base_url = setup.start()
         try:
             for i in range(args.repeats):
                 r = run_once(setup, base_url, bodies, schedule, args)
                 results.append(r)
+                Path(args.out).with_suffix(".partial.json").write_text(json.dumps([asdict(x) for x in results], default=str))
                 print(f"-- {setup.name} run {i + 1}: ratio {_ratio(r):.2f}, lost {r.lost}/{r.loaded_n}, "
                       f"ok answers {sum(_answer_ok(a) for a in r.answers)}/{len(r.answers) + r.unsent}, rss {r.rss_mb}", flush=True)
         finally:
