@@ -162,6 +162,20 @@ class ImagesConfig(BaseModel):
     cache_bytes: int = 256 * 1024 * 1024
 
 
+class RoutingConfig(BaseModel):
+    """How the ingress chooses an engine per request (several engines only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Prefer the engine that recently served the request's images or its longest prompt prefix
+    # (its encoder and KV caches are warm for them).
+    affinity: bool = True
+    # In requests: an affine engine is chosen only while its load ≤ the least-loaded engine's + this.
+    max_imbalance: int = Field(default=8, ge=0)
+    # Image keys and 128-token prefix blocks remembered per ingress replica (LRU).
+    affinity_entries: int = Field(default=65536, ge=1)
+
+
 class PreprocessorDeploymentConfig(BaseModel):
     """The preprocessing deployment: its own CPU reservation and autoscaling."""
 
@@ -198,6 +212,7 @@ class AppConfig(BaseModel):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     images: ImagesConfig = Field(default_factory=ImagesConfig)
     preprocessor: PreprocessorDeploymentConfig = Field(default_factory=PreprocessorDeploymentConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
     # Engine client: a handshake can take minutes while vLLM loads a model.
     handshake_timeout_s: float = 900.0
     health_check_interval_s: float = 1.0
@@ -213,8 +228,6 @@ class AppConfig(BaseModel):
     api_key: str | None = None
     # Diagnostics: engine clients remember where their last N zero-copy frames lived.
     trace_wire_frames: int = 0
-    # Allowlist of origins for browsers; empty = no CORS headers.
-    cors_allow_origins: list[str] = []
 
     @field_validator("engines", mode="before")
     @classmethod
@@ -226,7 +239,7 @@ class AppConfig(BaseModel):
             return [{"handshake": v.strip()} if isinstance(v, str) else v for v in value]
         return value
 
-    @field_validator("builtin_engine", "limits", "images", "preprocessor", "cors_allow_origins", "engine_client_resources", "engine_launch", mode="before")
+    @field_validator("builtin_engine", "limits", "images", "preprocessor", "routing", "engine_client_resources", "engine_launch", mode="before")
     @classmethod
     def _parse_json(cls, value: Any) -> Any:
         return json.loads(value) if isinstance(value, str) else value
