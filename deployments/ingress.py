@@ -85,7 +85,7 @@ class Ingress:
         self, settings: ServingSettings, engines: list[DeploymentHandle], preprocessor: DeploymentHandle | None = None
     ) -> None:
         self.settings = settings
-        self.router = engine_router(engines, preprocessor, settings.engine_wait_timeout_s)
+        self.router = engine_router(engines, preprocessor, settings.engine_wait_timeout_s, settings.routing)
         self.metrics = Metrics()
         send_request_log_to(logger)
         self.server = OpenAIServer(settings, self.router, self.metrics)

@@ -17,12 +17,13 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from mmserve.engine import EngineDeadError, EngineNotReadyError
 from mmserve.multimodal import ImageBatchRequest
 from mmserve.openai.engine_router import EngineRouter, ReplicaLostError
+from mmserve.openai.settings import RoutingSettings
 from mmserve.protocol import EngineInfo, GatewayBusyError
 from mmserve.wire import EngineCoreRequest
 
 
 def engine_router(
-    engines: list[DeploymentHandle], preprocessor: DeploymentHandle | None, wait_timeout_s: float
+    engines: list[DeploymentHandle], preprocessor: DeploymentHandle | None, wait_timeout_s: float, routing: RoutingSettings
 ) -> EngineRouter:
     """The ingress's router over these engine-client (and preprocessor) handles."""
     caller = _replica_name()
@@ -30,6 +31,7 @@ def engine_router(
         [HandleEngineConnection(handle, caller) for handle in engines],
         preprocessor=HandlePreprocessing(preprocessor) if preprocessor is not None else None,
         wait_timeout_s=wait_timeout_s,
+        routing=routing,
     )
 
 

@@ -8,7 +8,7 @@ from mmserve.engine import EngineAddresses
 from mmserve.engine.mm_cache import EngineCacheSettings
 from mmserve.fetch import FetchPolicy
 from mmserve.multimodal.preprocessor import PreprocessorLimits
-from mmserve.openai.settings import ServingLimits, ServingSettings
+from mmserve.openai.settings import RoutingSettings, ServingLimits, ServingSettings
 from mmserve.vision import ImageLimits
 
 from .config import AppConfig, EngineEndpoint
@@ -38,6 +38,11 @@ def serving_settings(config: AppConfig) -> ServingSettings:
         max_image_bytes=config.images.max_image_bytes,
         engine_wait_timeout_s=config.engine_wait_timeout_s,
         api_key=config.api_key,
+        routing=RoutingSettings(
+            affinity=config.routing.affinity,
+            max_imbalance=config.routing.max_imbalance,
+            affinity_entries=config.routing.affinity_entries,
+        ),
     )
 
 

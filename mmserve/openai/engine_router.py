@@ -1,8 +1,11 @@
 """Engine routing, as a plain class: which engine client serves a request, retries before the first output, engine limits.
 
 Engine state comes from each engine client's `info()`, refreshed at most once per interval, so
-a dead or starting engine is skipped without a round trip per request. Among ready engines the
-one with the fewest requests in flight from this router wins. How engine clients and the
+a dead or starting engine is skipped without a round trip per request. An engine's load is the
+requests in flight from this router plus the requests waiting in the engine's queue as of its
+last scheduler stats (what a full KV cache or batch turns into). Among ready engines the one that
+recently served the request's images or its longest prompt prefix wins if its load is within the
+configured bound of the least-loaded engine's (`engine_affinity.py`); otherwise the least loaded. How engine clients and the
 preprocessor are reached (Ray Serve handles) is the deployment's business
 (`deployments/router.py`): this class sees them through `EngineConnection` and `Preprocessing`.
 """
@@ -21,6 +24,9 @@ from mmserve.multimodal import ImageBatchRequest
 from mmserve.multimodal.errors import ImageInputError
 from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused, decode_event
 from mmserve.wire import EngineCoreRequest
+
+from .engine_affinity import AffinityKeys, AffinityTable, affinity_keys, choose_engine
+from .settings import RoutingSettings
 
 logger = logging.getLogger("ray.serve")
 
@@ -97,11 +103,15 @@ class EngineRouter:
         wait_timeout_s: float,
         refresh_interval_s: float = 1.0,
         info_timeout_s: float = 5.0,
+        routing: RoutingSettings = RoutingSettings(),
     ) -> None:
         self._engines = engines
         self._preprocessor = preprocessor
         self._infos: list[EngineInfo | None] = [None] * len(engines)
         self._in_flight = [0] * len(engines)
+        self._routed = [0] * len(engines)
+        self._routing = routing
+        self.affinity = AffinityTable(routing.affinity_entries)
         self._wait_timeout_s = wait_timeout_s
         self._refresh_interval_s = refresh_interval_s
         self._info_timeout_s = info_timeout_s
@@ -115,12 +125,30 @@ class EngineRouter:
             results = await asyncio.gather(
                 *(asyncio.wait_for(e.info(), self._info_timeout_s) for e in self._engines), return_exceptions=True
             )
-            self._infos = [r if isinstance(r, EngineInfo) else None for r in results]
+            infos = [r if isinstance(r, EngineInfo) else None for r in results]
+            for i, (before, now) in enumerate(zip(self._infos, infos)):
+                if _is_ready(before) and not _is_ready(now):
+                    self.affinity.forget_engine(i)  # dead, restarting or unreachable: its caches are gone
+            self._infos = infos
             self._refreshed_at = time.monotonic()
             return self._infos
 
     def _ready_indices(self) -> list[int]:
-        return [i for i, info in enumerate(self._infos) if info is not None and info.state == "ready"]
+        return [i for i, info in enumerate(self._infos) if _is_ready(info)]
+
+    def load(self, index: int) -> int:
+        """Requests in flight from this router on the engine, plus those queued in the engine."""
+        info = self._infos[index]
+        return self._in_flight[index] + ((info.engine_waiting or 0) if info is not None else 0)
+
+    def _choose(self, ready: list[int], keys: AffinityKeys | None) -> int:
+        loads = [self.load(i) for i in range(len(self._engines))]
+        affine = self.affinity.affine_engines(keys) if keys is not None else {}
+        index = choose_engine(ready, loads, self._routed, affine, self._routing.max_imbalance)
+        if keys is not None:
+            self.affinity.record(keys, index)
+        self._routed[index] += 1
+        return index
 
     async def _wait_for_ready(self) -> list[int]:
         deadline = time.monotonic() + self._wait_timeout_s
@@ -166,7 +194,7 @@ class EngineRouter:
         return PendingImages(request, self._preprocessor.process(request))
 
     async def generate(self, request: EngineCoreRequest, images: PendingImages | None = None) -> AsyncIterator[EngineEvent]:
-        """Stream the request from the least-loaded ready engine.
+        """Stream the request from the engine chosen by load and affinity (see the module's doc).
 
         Until the first output a failure is retried once where that is safe: an engine found
         dead goes to another ready engine (nothing was generated), and a preprocessing replica
@@ -174,11 +202,14 @@ class EngineRouter:
         """
         tried: set[int] = set()
         reprocessed = False
+        keys = None
+        if self._routing.affinity and len(self._engines) > 1:
+            keys = affinity_keys(request.prompt_token_ids or [], images.request.urls if images is not None else ())
         while True:
             ready = [i for i in await self._wait_for_ready() if i not in tried]
             if not ready:
                 raise EngineDeadError("every ready engine failed this request before its first output")
-            index = min(ready, key=lambda i: self._in_flight[i])
+            index = self._choose(ready, keys)
             tried.add(index)
             self._in_flight[index] += 1
             call = self._engines[index].generate(request, images.response if images is not None else None)
@@ -197,6 +228,7 @@ class EngineRouter:
                 return
             except (EngineDeadError, EngineNotReadyError) as exc:
                 self._refreshed_at = 0.0  # look again before routing the next request
+                self.affinity.forget_engine(index)
                 if produced or len(self._engines) == 1:
                     raise
                 retry = exc
@@ -223,6 +255,10 @@ class EngineRouter:
                     # Cancels the engine client's generator, whose cleanup aborts the request.
                     call.cancel()
             logger.warning("request %s: no output yet, trying again after: %s", request.request_id, retry)
+
+
+def _is_ready(info: EngineInfo | None) -> bool:
+    return info is not None and info.state == "ready"
 
 
 def refusal_error(refusal: RequestRefused) -> Exception:

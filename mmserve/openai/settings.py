@@ -28,6 +28,18 @@ class ServingLimits:
 
 
 @dataclass(frozen=True)
+class RoutingSettings:
+    """How the router chooses an engine (see README's configuration table, `routing.*`)."""
+
+    # Prefer the engine that served the same images or the longest shared prompt prefix.
+    affinity: bool = True
+    # An affine engine is chosen only if its load ≤ the least-loaded engine's + this.
+    max_imbalance: int = 8
+    # Keys (image digests and prefix blocks) remembered, least recently used evicted first.
+    affinity_entries: int = 65536
+
+
+@dataclass(frozen=True)
 class ServingSettings:
     """What one ingress replica needs: the model, its name, the limits, image intake, access."""
 
@@ -40,5 +52,6 @@ class ServingSettings:
     max_image_bytes: int = 20 * 1024 * 1024
     # How long a request waits for a starting engine before it gets a 503.
     engine_wait_timeout_s: float = 30.0
+    routing: RoutingSettings = RoutingSettings()
     # None: no authentication (the ingress also reads MMSERVE_API_KEY).
     api_key: str | None = None

@@ -1,0 +1,230 @@
+"""Engine choice by load and cache affinity: the plain router over stand-in engine connections (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from mmserve.engine import EngineDeadError
+from mmserve.multimodal import ImageBatchRequest, PixelMode
+from mmserve.openai.engine_affinity import PREFIX_BLOCK_TOKENS, AffinityTable, affinity_keys, choose_engine
+from mmserve.openai.engine_router import EngineRouter, PendingImages
+from mmserve.openai.settings import RoutingSettings
+from mmserve.protocol import EngineEvent, EngineInfo, encode_event
+from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
+
+
+def _request(tokens: list[int], request_id: str = "r") -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, tokens, None, SamplingParams(max_tokens=2), None, 0.0, None, None, None)
+
+
+def _images(*urls: str) -> PendingImages:
+    return PendingImages(ImageBatchRequest(urls=list(urls), pixel_mode=PixelMode.DEVICE_NORMALIZE, engine_dtype="float32"), None)
+
+
+class TimedCall:
+    """A call that streams one output after a delay, so requests overlap like real ones."""
+
+    def __init__(self, delay_s: float, fail: BaseException | None) -> None:
+        self.delay_s, self.fail = delay_s, fail
+
+    async def __aiter__(self):
+        await asyncio.sleep(self.delay_s)
+        if self.fail is not None:
+            raise self.fail
+        yield encode_event(EngineEvent(outputs=[EngineCoreOutput("r", [5], finish_reason=FinishReason.LENGTH)]))
+
+    def cancel(self) -> None:
+        pass
+
+
+class Engine:
+    """An engine connection: a state, an optional scheduler queue, a delay per request."""
+
+    def __init__(self, name: int, on_generate=None) -> None:
+        self.name, self.state, self.waiting = name, "ready", None
+        self.fail: BaseException | None = None
+        self.delay_s = 0.0
+        self.on_generate = on_generate
+        self.requests: list[EngineCoreRequest] = []
+
+    async def info(self) -> EngineInfo:
+        return EngineInfo(state=self.state, builtin=True, handshake_address="tcp://x:1", max_model_len=100_000,
+                          engine_waiting=self.waiting)
+
+    def generate(self, request, images):
+        self.requests.append(request)
+        if self.on_generate is not None:
+            self.on_generate(self.name)
+        return TimedCall(self.delay_s, self.fail)
+
+
+def _router(engines, **routing) -> EngineRouter:
+    return EngineRouter(engines, wait_timeout_s=0.0, refresh_interval_s=0.0, routing=RoutingSettings(**routing))
+
+
+async def _send(router: EngineRouter, tokens: list[int], images: PendingImages | None = None, request_id: str = "r") -> None:
+    async for _ in router.generate(_request(tokens, request_id), images):
+        pass
+
+
+def _prefix(seed: int, blocks: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 50_000) for _ in range(blocks * PREFIX_BLOCK_TOKENS)]
+
+
+@pytest.mark.parametrize("bound", [4, RoutingSettings().max_imbalance])
+def test_repeated_images_and_prefixes_stay_on_their_first_engine_within_the_load_bound(bound):
+    """Issue 11's routing criterion: a stream of overlapping requests (≈8 in flight), 40 images
+    and 20 shared prompt prefixes repeated at random; ≥ 90 % of repeats go where the content went
+    first, and no choice puts an engine more than `max_imbalance` above the least loaded.
+    (Measured: 98 % at a bound of 4, 99 % at 8; the bound decides below that: 91 % at 2, 84 % at 1.)"""
+    violations: list[tuple[int, int]] = []
+    in_flight: list[int] = []
+    engines: list[Engine] = []
+
+    def check_bound(chosen: int) -> None:
+        loads = [router.load(e.name) - (e.name == chosen) for e in engines]  # as they were at the choice
+        in_flight.append(sum(loads))
+        if loads[chosen] > min(loads) + bound:
+            violations.append((loads[chosen], min(loads)))
+
+    engines += [Engine(0, check_bound), Engine(1, check_bound)]
+    router = _router(engines, max_imbalance=bound)
+    rng = random.Random(7)
+    prefixes = [_prefix(1000 + j, 2) for j in range(20)]
+    first_engine: dict[str, int] = {}
+    outcomes = {"repeats": 0, "to_first": 0}
+
+    async def one(n: int, content: str, tokens: list[int], images: PendingImages | None) -> None:
+        await _send(router, tokens, images, request_id=str(n))
+        served = next(e.name for e in engines if any(r.request_id == str(n) for r in e.requests))
+        if content in first_engine:
+            outcomes["repeats"] += 1
+            outcomes["to_first"] += served == first_engine[content]
+        else:
+            first_engine[content] = served
+
+    async def stream() -> None:
+        tasks = []
+        for n in range(600):
+            for engine in engines:
+                engine.delay_s = rng.uniform(0.005, 0.04)
+            if rng.random() < 0.5:
+                k = rng.randrange(40)
+                content, tokens, images = f"image{k}", [7] * 40, _images(f"data:image/png;base64,IMAGE{k}")
+            else:
+                k = rng.randrange(20)
+                content, images = f"prefix{k}", None
+                tokens = prefixes[k] + [rng.randrange(1, 50_000) for _ in range(rng.randrange(1, 300))]
+            tasks.append(asyncio.create_task(one(n, content, tokens, images)))
+            await asyncio.sleep(rng.uniform(0, 0.0015))
+            if content not in first_engine:
+                await tasks[-1]  # the first request with some content is routed first
+        await asyncio.gather(*tasks)
+
+    asyncio.run(stream())
+    share = outcomes["to_first"] / outcomes["repeats"]
+    print(f"repeats to their first engine: {outcomes['to_first']}/{outcomes['repeats']} = {share:.1%}; "
+          f"requests per engine: {[len(e.requests) for e in engines]}; mean in flight {sum(in_flight) / len(in_flight):.1f}")
+    assert outcomes["repeats"] >= 500
+    assert share >= 0.90
+    assert violations == []
+    assert all(len(e.requests) >= 150 for e in engines)  # both engines serve: the content spreads
+
+
+def test_an_affine_engine_past_the_bound_loses_the_request_to_the_least_loaded():
+    keys = affinity_keys([], ["data:a"])
+    table = AffinityTable(16)
+    table.record(keys, 1)
+    affine = table.affine_engines(keys)
+    assert choose_engine([0, 1], [0, 2], [0, 0], affine, max_imbalance=2) == 1
+    assert choose_engine([0, 1], [0, 3], [0, 0], affine, max_imbalance=2) == 0
+    assert choose_engine([0], [0, 0], [0, 0], affine, max_imbalance=2) == 0  # the affine engine is not ready
+
+
+def test_the_engines_queue_counts_as_load():
+    engines = [Engine(0), Engine(1)]
+    router = _router(engines, max_imbalance=1)
+    asyncio.run(_send(router, [1], _images("data:a")))
+    first = engines[0] if engines[0].requests else engines[1]
+    other = engines[1 - first.name]
+    first.waiting = 1  # its scheduler stats: one request queued, within the bound
+    asyncio.run(_send(router, [1], _images("data:a")))
+    assert (len(first.requests), len(other.requests)) == (2, 0)
+    first.waiting = 2  # two queued: past the bound
+    asyncio.run(_send(router, [1], _images("data:a")))
+    assert (len(first.requests), len(other.requests)) == (2, 1)
+
+
+def test_the_longest_shared_prefix_wins():
+    shared = _prefix(1, 3)
+    engines = [Engine(0), Engine(1)]
+    router = _router(engines)
+    table = router.affinity
+    table.record(affinity_keys(shared[: 2 * PREFIX_BLOCK_TOKENS]), 0)
+    table.record(affinity_keys(shared), 1)  # the first two blocks stay engine 0's: 1 holds block 3 alone
+    table.record(affinity_keys(shared[: PREFIX_BLOCK_TOKENS]), 0)
+    asyncio.run(_send(router, shared + [9, 9]))
+    assert (len(engines[0].requests), len(engines[1].requests)) == (0, 1)
+    # A prompt that differs in its first block shares nothing, however long the rest.
+    other = [shared[0] + 1, *shared[1:]]
+    assert table.affine_engines(affinity_keys(other)) == {}
+
+
+def test_an_engine_that_dies_is_dropped_from_affinity():
+    engines = [Engine(0), Engine(1)]
+    router = _router(engines)
+    for k in range(5):
+        asyncio.run(_send(router, [1], _images(f"data:{k}")))
+    holders = {router.affinity.engine_of(key) for k in range(5) for key in affinity_keys([], [f"data:{k}"]).images}
+    assert holders == {0, 1}
+    engines[0].state = "dead"
+    asyncio.run(router.refresh())
+    assert {router.affinity.engine_of(key) for k in range(5) for key in affinity_keys([], [f"data:{k}"]).images} == {None, 1}
+    # Restarted: its caches are empty, so its old images are not routed back to it.
+    engines[0].state = "ready"
+    asyncio.run(router.refresh())
+    assert all(router.affinity.engine_of(key) != 0 for k in range(5) for key in affinity_keys([], [f"data:{k}"]).images)
+
+
+def test_an_engine_failing_a_request_is_dropped_from_affinity_and_the_request_goes_elsewhere():
+    engines = [Engine(0), Engine(1)]
+    router = _router(engines)
+    asyncio.run(_send(router, [1], _images("data:x")))
+    holder = engines[0] if engines[0].requests else engines[1]
+    holder.fail = EngineDeadError("gone")
+    asyncio.run(_send(router, [1], _images("data:x", "data:y")))
+    survivor = 1 - holder.name
+    assert len(engines[survivor].requests) == 1
+    keys = affinity_keys([], ["data:x", "data:y"])
+    assert [router.affinity.engine_of(k) for k in keys.images] == [survivor, survivor]
+
+
+def test_a_full_affinity_table_evicts_the_least_recently_used():
+    table = AffinityTable(3)
+    a, b, c, d = (affinity_keys([], [f"data:{n}"]) for n in "abcd")
+    table.record(a, 0)
+    table.record(b, 1)
+    table.record(c, 0)
+    assert table.affine_engines(a) == {0: (1, 0)}
+    table.record(a, 0)  # served again: now the most recent
+    table.record(d, 1)
+    assert len(table) == 3
+    assert b.images[0] not in table and all(k.images[0] in table for k in (a, c, d))
+    blocks = affinity_keys(_prefix(3, 5))
+    table.record(blocks, 1)  # five blocks in a table of three: only the last three stay
+    assert len(table) == 3 and table.affine_engines(blocks) == {1: (0, 5)}
+    with pytest.raises(ValueError):
+        AffinityTable(0)
+
+
+def test_affinity_off_is_least_loaded_only():
+    engines = [Engine(0), Engine(1)]
+    router = _router(engines, affinity=False)
+    for _ in range(4):
+        asyncio.run(_send(router, [1], _images("data:same")))
+    assert (len(engines[0].requests), len(engines[1].requests)) == (2, 2)
+    assert len(router.affinity) == 0
