@@ -5,9 +5,9 @@ a dead or starting engine is skipped without a round trip per request. An engine
 requests in flight from this router plus the requests waiting in the engine's queue as of its
 last scheduler stats (what a full KV cache or batch turns into). Among ready engines the one that
 recently served the request's images or its longest prompt prefix wins if its load is within the
-configured bound of the least-loaded engine's (`engine_affinity.py`); otherwise the least loaded. How engine clients and the
-preprocessor are reached (Ray Serve handles) is the deployment's business
-(`deployments/router.py`): this class sees them through `EngineConnection` and `Preprocessing`.
+configured bound of the least-loaded engine's (`engine_affinity.py`); otherwise the least loaded.
+How engine clients and the preprocessor are reached (Ray Serve handles) is the deployment's
+business (`deployments/router.py`): this class sees them through `EngineConnection` and `Preprocessing`.
 """
 
 from __future__ import annotations

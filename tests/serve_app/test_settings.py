@@ -40,3 +40,19 @@ def test_preprocessor_settings_and_options():
     assert isinstance(settings.model_dir, Path)
     options = preprocessor_scaling(config).options()
     assert options["autoscaling_config"]["max_replicas"] == 2 and options["autoscaling_config"]["metrics_interval_s"] == 1.0
+
+
+def test_routing_settings_reach_the_router_and_bad_values_are_refused():
+    import pydantic
+    import pytest
+
+    from mmserve.openai.settings import RoutingSettings
+
+    assert serving_settings(AppConfig()).routing == RoutingSettings()
+    config = AppConfig.model_validate({"routing": '{"affinity": false, "max_imbalance": 0, "affinity_entries": 5}'})  # as from the CLI
+    assert serving_settings(config).routing == RoutingSettings(affinity=False, max_imbalance=0, affinity_entries=5)
+    for bad in ({"max_imbalance": -1}, {"affinity_entries": 0}, {"affinity_weight": 1}):
+        with pytest.raises(pydantic.ValidationError):
+            AppConfig.model_validate({"routing": bad})
+    with pytest.raises(pydantic.ValidationError):
+        AppConfig.model_validate({"cors_allow_origins": ["https://a.example"]})  # removed: it was never read
