@@ -231,11 +231,11 @@ def test_affinity_off_is_least_loaded_only():
 
 
 def test_long_image_references_are_keyed_by_a_sample_that_still_tells_images_apart():
-    from mmserve.openai.engine_affinity import IMAGE_KEY_FULL_BYTES, image_key
+    from mmserve.openai.engine_affinity import IMAGE_KEY_FULL_CHARS, image_key
     from tests.support.images import image_uri
 
     a, b = image_uri(640, 480, seed=1), image_uri(640, 480, seed=2)
-    assert len(a) > IMAGE_KEY_FULL_BYTES and len(b) > IMAGE_KEY_FULL_BYTES
+    assert len(a) > IMAGE_KEY_FULL_CHARS and len(b) > IMAGE_KEY_FULL_CHARS
     assert image_key(a) == image_key(str(a)) != image_key(b)
     assert image_key(a + "A") != image_key(a)  # the length counts
     assert image_key("data:short") != image_key("data:shorT")
