@@ -76,7 +76,9 @@ def test_serve_replicas_and_builtin_engine_run_from_this_venv(builtin_app) -> No
 
 @pytest.mark.real_engine
 def test_real_engine_app_runs_from_this_venv_and_its_engine_from_the_reference_venv(vllm_app) -> None:
-    for name, proc in _replica_processes(vllm_app.app.name).items():
+    replicas = _replica_processes(vllm_app.app.name)
+    assert {"Ingress", "EngineClient0", "Preprocessor"} <= set(replicas), replicas
+    for name, proc in replicas.items():
         _assert_runs_from_this_venv(f"replica {name}", proc)
     assert Path(reference_python()).parent != Path(sys.executable).parent  # two venvs
     reference_site_packages = Path(
