@@ -362,12 +362,9 @@ class RssSampler(threading.Thread):
 # ----------------------------------------------------------------------------- setups
 
 
-REF_PYTHON = Path(os.environ.get("MMSERVE_REF_PYTHON", "/work/venvs/ref/bin/python"))
-
-
-def _with_python(proc: Any, python: Path) -> Any:
-    proc.argv[0] = str(python)  # vllm runs from the reference venv; this script from the gateway venv
-    return proc
+# vllm runs from the reference venv (tests/support/reference_venv.py); this script from the gateway venv.
+if not (REPO / ".venv-ref" / "bin" / "python").exists():
+    os.environ.setdefault("MMSERVE_REFERENCE_PYTHON", "/work/venvs/ref/bin/python")
 
 
 class MmserveSetup:
@@ -380,8 +377,8 @@ class MmserveSetup:
 
     def start(self) -> str:
         handshake = free_tcp_port()
-        self.engine = _with_python(HeadlessVllmEngine(self.model_dir, handshake, max_model_len=MAX_MODEL_LEN,
-                                                      log_path=self.work / "engine.log"), REF_PYTHON).start()
+        self.engine = HeadlessVllmEngine(self.model_dir, handshake, max_model_len=MAX_MODEL_LEN,
+                                         log_path=self.work / "engine.log").start()
         port = free_tcp_port()
         args = {"model": str(self.model_dir), "served_model_name": MODEL_NAME,
                 "engines": [f"tcp://127.0.0.1:{handshake}"], "handshake_timeout_s": 600, "health_check_timeout_s": 20}
@@ -426,8 +423,8 @@ class VllmSetup:
         self.model_dir, self.work = model_dir, work
 
     def start(self) -> str:
-        self.server = _with_python(VllmApiServer(self.model_dir, served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
-                                                 log_path=self.work / "vllm.log"), REF_PYTHON).start()
+        self.server = VllmApiServer(self.model_dir, served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
+                                    log_path=self.work / "vllm.log").start()
         self.server.wait_healthy(timeout=900)
         return self.server.base_url
 
@@ -657,7 +654,8 @@ def markdown(results: list[RunResult], args: argparse.Namespace, command: str) -
 def build_model(dest: Path) -> Path:
     if not (dest / "model.safetensors").exists():
         import subprocess
-        subprocess.run([str(REF_PYTHON), "-c", "import sys; from tests.support.tiny_models import build_tiny_qwen2_vl as b; "
+        from tests.support.reference_venv import reference_python
+        subprocess.run([reference_python(), "-c", "import sys; from tests.support.tiny_models import build_tiny_qwen2_vl as b; "
                         f"b(sys.argv[1], seed=0)", str(dest)], cwd=REPO, check=True)
     return dest
 
