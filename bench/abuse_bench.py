@@ -690,6 +690,7 @@ def main() -> None:
     args = parser.parse_args()
     command = "python bench/abuse_bench.py " + " ".join(sys.argv[1:])
 
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model_dir = build_model(REPO / ".cache" / "bench_models" / MODEL_NAME)
     bodies = make_bodies(int(30 * MB * args.scale))
     schedule = abuse_schedule(args.per_kind, args.text_prompts)
