@@ -218,7 +218,7 @@ class EngineClient:
             while not stream.finished:
                 batch = await stream.next_batch()
                 missing = batch[-1].mm_cache_miss_hashes
-                if missing and not resent:
+                if missing and not resent and _has_data_for(request, missing):
                     # The engine lost items we sent by hash (its cache drifted from our mirror):
                     # resend once, every item with its data; the caller sees a normal answer.
                     resent = True
@@ -384,3 +384,9 @@ class EngineClient:
         for future in self._utility_calls.values():
             if not future.done():
                 future.set_exception(error)
+
+
+def _has_data_for(request: EngineCoreRequest, keys: list[str]) -> bool:
+    """Whether the request carries the data of every missing item (else a resend cannot help)."""
+    with_data = {feature_key(f) for f in request.mm_features or [] if f.data is not None}
+    return all(key in with_data for key in keys)

@@ -108,8 +108,10 @@ class SenderCacheMirror:
                 if not force_data:
                     prepared.append(msgspec.structs.replace(feature, data=None))
                     continue
-            else:
+            elif feature.data is not None:
                 self._insert_if_fits(key, item_size(feature))
+            # An item the caller itself sent by hash only, and the mirror does not hold, goes as it
+            # is: the engine answers a miss for it if it does not hold it either.
             prepared.append(feature)
         return prepared
 
