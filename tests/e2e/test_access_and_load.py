@@ -89,7 +89,7 @@ def test_metrics_and_request_log(builtin_app):
 
 
 def test_request_log_line_fields():
-    from serve_app.observability import Metrics, RequestRecord
+    from mmserve.openai.metrics import Metrics, RequestRecord
 
     record = RequestRecord("chat", stream=True, request_id="chatcmpl-1", prompt_tokens=3, completion_tokens=2)
     record.first_token_at = record.started + 0.01
