@@ -125,7 +125,9 @@ def test_preprocessor_replica_killed_mid_request(serve_instance, image_dir):
         failed = [r for r in results if r["status"] != 200 or '"error"' in r["body"]]
         for r in failed:
             assert "preprocess" in r["body"].lower(), r
-        assert ended < 30
+        # A bound on hanging, not a speed measure: the retry waits for Serve to replace the replica,
+        # which took 32.7 s in a CI run at load average 5-10 on 2 cores (30 s was too tight).
+        assert ended < 60
         # Serve restarts the preprocessor; image requests work again.
         recovered = {}
 
