@@ -4,6 +4,9 @@ The replica binds the engine's ZMQ sockets and stays bound for its whole life, s
 (a `vllm serve --headless` process, or the built-in engine this replica starts itself) can
 connect whenever it is ready. `check_health` fails once the engine is dead, so Ray Serve
 replaces the replica, which then waits for a new engine on the same addresses.
+
+Requests arrive one Ray call each (`add`); their outputs leave on one stream per ingress replica
+(`subscribe`), merged per engine step, never one Ray item per token per request.
 """
 
 from __future__ import annotations
@@ -17,15 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from ray import serve
 
 from mmserve.builtin_engine.launcher import BuiltinEngineProcess
 from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineState, InvalidRequestError, admit
+from mmserve.engine.outputs import CallerChannel, OutputSink
 from mmserve.engine.frame_diagnostics import FrameTrace
 from mmserve.engine.mm_cache import EngineCacheSettings
 from mmserve.multimodal import ImagesRefused, PlaceholderMismatch, ProcessedImages, attach_images
-from mmserve.protocol import EngineEvent, EngineInfo, PromptAccepted, RequestRefused, encode_event
+from mmserve.protocol import Admission, EngineInfo, OutputBatch, PromptAccepted, RequestFailed, RequestRefused, encode
 from mmserve.wire import EngineCoreRequest
+
+from .caller_watch import CallerWatch
 
 logger = logging.getLogger("ray.serve")
 
@@ -158,35 +165,32 @@ class EngineClientServer:
                 await self.launcher.restart.remote(f"its engine client declared it hung: {reason}")
             await client.close()
 
-    async def generate(
-        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None = None
-    ) -> AsyncIterator[EngineEvent]:
-        """Stream the request's outputs. With images (resolved by Ray from the preprocessor's
-        response, zero-copy), expand their placeholders first and announce the final prompt."""
+    async def add(
+        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None, sink: OutputSink
+    ) -> Admission:
+        """Send the request to the engine; its outputs go to `sink`. With images (resolved by Ray
+        from the preprocessor's response, zero-copy), expand their placeholders first and
+        announce the final prompt. Client-caused refusals are answers, not exceptions (see
+        `RequestRefused`)."""
         ready = await self.client.wait_ready(self.config.engine_wait_timeout_s)
         limit = self.config.max_in_flight
-        # Client-caused refusals are events, not exceptions (see RequestRefused).
         if self.client.num_in_flight >= limit:
-            yield EngineEvent(refused=RequestRefused("overloaded", f"the engine has {limit} requests in flight; retry shortly"))
-            return
+            return Admission(refused=RequestRefused("overloaded", f"the engine has {limit} requests in flight; retry shortly"))
         if isinstance(images, ImagesRefused):
-            yield EngineEvent(refused=RequestRefused("image", images.message, "messages"))
-            return
-        if images is not None:
-            try:
+            return Admission(refused=RequestRefused("image", images.message, "messages"))
+        accepted = None
+        try:
+            if images is not None:
                 request = attach_images(request, images)
                 # Checked before the prompt is announced (the engine client checks again on send).
                 request = admit(request, ready.max_model_len)
-            except PlaceholderMismatch as exc:
-                yield EngineEvent(refused=RequestRefused("invalid", str(exc), "messages"))
-                return
-            except InvalidRequestError as exc:
-                yield EngineEvent(refused=RequestRefused("invalid", str(exc), exc.param))
-                return
-            accepted = PromptAccepted(request.prompt_token_ids or [], len(images.images), images.preprocess_ms)
-            yield EngineEvent(accepted=accepted)
-        async for batch in self.client.generate(request):
-            yield EngineEvent(outputs=batch)
+                accepted = PromptAccepted(request.prompt_token_ids or [], len(images.images), images.preprocess_ms)
+            await self.client.add(request, sink)
+        except PlaceholderMismatch as exc:
+            return Admission(refused=RequestRefused("invalid", str(exc), "messages"))
+        except InvalidRequestError as exc:
+            return Admission(refused=RequestRefused("invalid", str(exc), exc.param))
+        return Admission(accepted=accepted)
 
     async def info(self) -> EngineInfo:
         ready = self.client.ready
@@ -244,54 +248,11 @@ class EngineClientServer:
                 self.builtin.stop()
 
 
-class CallerWatch:
-    """Cancels the requests of callers (ingress replicas) that died.
-
-    Ray does not stop an actor's streaming generator when the process consuming it dies, so
-    without this an engine request whose ingress was killed would run to `max_tokens` for
-    nobody. Callers are looked up by actor name once per `interval_s` while they have
-    requests here; a name that no longer resolves is a dead replica.
-    """
-
-    def __init__(self, interval_s: float = 1.0) -> None:
-        self.interval_s = interval_s
-        self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
-        self._loop: asyncio.Task[None] | None = None
-
-    def add(self, caller: str, task: asyncio.Task[Any]) -> None:
-        self._tasks.setdefault(caller, set()).add(task)
-        if self._loop is None or self._loop.done():
-            self._loop = asyncio.get_running_loop().create_task(self._run(), name="caller-watch")
-
-    def discard(self, caller: str, task: asyncio.Task[Any]) -> None:
-        tasks = self._tasks.get(caller)
-        if tasks is not None:
-            tasks.discard(task)
-            if not tasks:
-                del self._tasks[caller]
-
-    async def _run(self) -> None:
-        while self._tasks:
-            await asyncio.sleep(self.interval_s)
-            for caller in list(self._tasks):
-                if await asyncio.to_thread(_actor_alive, caller):
-                    continue
-                tasks = self._tasks.pop(caller, set())
-                logger.warning("caller %s is gone: cancelling its %d request(s)", caller, len(tasks))
-                for task in tasks:
-                    task.cancel()
-
-
-def _actor_alive(name: str) -> bool:
-    import ray
-
+def _replica_name() -> str:
     try:
-        ray.get_actor(name, namespace="serve")
-    except ValueError:  # no live actor by that name
-        return False
-    except Exception:  # GCS unreachable or the like: assume alive rather than cancel
-        return True
-    return True
+        return serve.get_replica_context().replica_id.to_full_id_str()
+    except Exception:  # not in a replica (tests)
+        return ""
 
 
 def _node_id() -> str:
@@ -315,29 +276,84 @@ def _log_start_failure(task: asyncio.Task[Any]) -> None:
     health_check_timeout_s=10,
 )
 class EngineClientDeployment:
+    """Each ingress replica (a caller) holds one long-lived `subscribe` stream here, which carries
+    the outputs of all its requests, merged per engine step (`CallerChannel`); `add` sends one
+    request and answers at once. So Ray moves one item per engine step per caller, not one per
+    token per request (see `mmserve.protocol`)."""
+
     async def __init__(self, settings: EngineClientSettings) -> None:
         self.server = EngineClientServer(settings)
-        self._callers = CallerWatch()
+        self.replica = _replica_name()
+        self._channels: dict[str, CallerChannel] = {}
+        self._subscribers: dict[str, asyncio.Task[Any]] = {}
+        self._callers = CallerWatch(self._caller_gone)
         await self.server.start()
 
-    async def generate(
-        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None = None, caller: str | None = None
-    ) -> AsyncIterator[bytes]:
-        """Events travel to the ingress msgpack-encoded (`mmserve.protocol`): Ray moves bytes
-        without pickling them, which is most of the per-token cost of a stream.
+    def _channel(self, caller: str) -> CallerChannel:
+        channel = self._channels.get(caller)
+        if channel is None:
+            channel = self._channels[caller] = CallerChannel()
+            # A caller that dies takes its requests with it (see CallerWatch).
+            self._callers.watch(caller)
+        return channel
 
-        `caller`: the calling replica's actor name; if that replica dies, the request is
-        cancelled (and so aborted in the engine) instead of running on for nobody.
-        """
+    async def subscribe(self, caller: str) -> AsyncIterator[bytes]:
+        """The caller's output stream: first an `OutputBatch` naming this replica, then batches of
+        its requests' outputs and failures, each as soon as the previous one is on its way. Ends
+        (and aborts the caller's requests) when the caller cancels it or dies."""
+        channel = self._channel(caller)
         task = asyncio.current_task()
-        if caller and task is not None:
-            self._callers.add(caller, task)
+        assert task is not None
+        if (previous := self._subscribers.get(caller)) is not None:
+            previous.cancel()  # one stream per caller: the newest
+        self._subscribers[caller] = task
         try:
-            async for item in self.server.generate(request, images):
-                yield encode_event(item)
+            yield encode(OutputBatch(replica=self.replica))
+            while True:
+                outputs, failures = await channel.take()
+                yield encode(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures]))
         finally:
-            if caller and task is not None:
-                self._callers.discard(caller, task)
+            if self._subscribers.get(caller) is task:
+                del self._subscribers[caller]
+                await self._drop_caller(caller)
+
+    async def add(
+        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None = None, caller: str = ""
+    ) -> bytes:
+        """Send one request; its outputs travel on the caller's `subscribe` stream. Answers an
+        encoded `Admission` (with this replica's name, which the caller checks its stream against)."""
+        channel = self._channel(caller)
+        if not channel.track(request.request_id):
+            return encode(Admission(refused=RequestRefused("cancelled", "the caller aborted the request before it arrived")))
+        try:
+            admission = await self.server.add(request, images, channel)
+        except BaseException:
+            channel.untrack(request.request_id)
+            raise
+        if admission.refused is not None:
+            channel.untrack(request.request_id)
+        elif self._channels.get(caller) is not channel:
+            # The caller went away while this request was being sent.
+            await self.server.client.abort_quietly([request.request_id])
+        return encode(msgspec.structs.replace(admission, replica=self.replica))
+
+    async def abort(self, request_ids: list[str], caller: str = "") -> None:
+        """The caller gave these requests up (its client left, a stop string matched)."""
+        if (channel := self._channels.get(caller)) is not None:
+            channel.aborted(request_ids)
+        await self.server.client.abort_quietly(request_ids)
+
+    async def _drop_caller(self, caller: str) -> None:
+        self._callers.unwatch(caller)
+        channel = self._channels.pop(caller, None)
+        if channel is not None and channel.request_ids:
+            await self.server.client.abort_quietly(list(channel.request_ids))
+
+    async def _caller_gone(self, caller: str) -> None:
+        if (subscriber := self._subscribers.get(caller)) is not None:
+            subscriber.cancel()  # its cleanup drops the caller
+        else:
+            await self._drop_caller(caller)
 
     async def info(self) -> EngineInfo:
         return await self.server.info()

@@ -204,6 +204,10 @@ class Ingress:
     def pid(self) -> int:
         return os.getpid()
 
+    def __del__(self) -> None:
+        # Ends this replica's output streams: the engine clients abort what it had in flight.
+        self.router.close()
+
     @api.get("/health")
     async def health(self) -> Any:
         infos = await self.router.infos()

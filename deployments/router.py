@@ -7,6 +7,8 @@ EngineRouter`; this module only adapts `DeploymentHandle`s to its `EngineConnect
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 from ray import serve
@@ -16,10 +18,17 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from mmserve.engine import EngineDeadError, EngineNotReadyError
 from mmserve.multimodal import ImageBatchRequest
+from mmserve.openai.engine_outputs import OutputDemux
 from mmserve.openai.engine_router import EngineRouter, ReplicaLostError
 from mmserve.openai.settings import RoutingSettings
-from mmserve.protocol import EngineInfo, GatewayBusyError
+from mmserve.protocol import Admission, EngineEvent, EngineInfo, GatewayBusyError, decode_admission, decode_output_batch
 from mmserve.wire import EngineCoreRequest
+
+logger = logging.getLogger("ray.serve")
+
+# After the output stream broke: wait this long before subscribing again (the engine client's
+# replica is being replaced; Serve queues the call until the new one runs).
+RESUBSCRIBE_DELAY_S = 0.2
 
 
 def engine_router(
@@ -36,30 +45,100 @@ def engine_router(
 
 
 class HandleEngineConnection:
-    """One engine-client deployment, through its handle."""
+    """One engine-client deployment, through its handle: requests go as one `add` call each; their
+    outputs come back on one long-lived `subscribe` stream for this whole replica (see
+    `mmserve.protocol`), read by a background task and handed to each request by `OutputDemux`."""
 
     def __init__(self, handle: DeploymentHandle, caller: str | None) -> None:
         self.handle = handle
         # This replica's actor name: engine clients abort our requests if we die.
-        self.caller = caller
+        self.caller = caller or ""
+        self.demux = OutputDemux()
+        self._reader: asyncio.Task[None] | None = None
+        self._aborts: set[asyncio.Task[None]] = set()
 
     async def info(self) -> EngineInfo:
         return await self.handle.info.remote()
 
     def generate(self, request: EngineCoreRequest, images: object | None) -> "HandleEngineCall":
-        return HandleEngineCall(self.handle.options(stream=True).generate.remote(request, images, caller=self.caller))
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read_outputs(), name="engine-outputs")
+        return HandleEngineCall(self, request, images)
+
+    def abort(self, request_id: str) -> None:
+        """Fire and forget: the request is given up here whatever the engine client answers."""
+        task = asyncio.get_running_loop().create_task(self._abort(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self.handle.abort.remote([request_id], self.caller)
+        except Exception as exc:  # the engine client is gone: its requests went with it
+            logger.debug("abort of %s failed: %s", request_id, exc)
+
+    async def _read_outputs(self) -> None:
+        """Follow the engine client's output stream for this replica, for the replica's life;
+        when it breaks, fail the requests it carried and subscribe again."""
+        while True:
+            try:
+                async for item in self.handle.options(stream=True).subscribe.remote(self.caller):
+                    batch = decode_output_batch(item)
+                    if batch.replica is not None:
+                        self.demux.connected(batch.replica)
+                    self.demux.dispatch(batch)
+                error = ReplicaLostError("the engine client ended its output stream")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                error = ReplicaLostError(_describe(_unwrap(exc)))
+            if len(self.demux):
+                logger.warning("engine client output stream lost: %s", error)
+            self.demux.lost(error)
+            await asyncio.sleep(RESUBSCRIBE_DELAY_S)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
 
 
 class HandleEngineCall:
-    """A streaming generate call; Ray's failures leave it typed (see `EngineConnection`)."""
+    """One request through a `HandleEngineConnection`; Ray's failures leave it typed (see `EngineConnection`)."""
 
-    def __init__(self, response) -> None:
-        self.response = response
+    def __init__(self, connection: HandleEngineConnection, request: EngineCoreRequest, images: object | None) -> None:
+        self.connection = connection
+        self.request = request
+        self.images = images
+        self._add: DeploymentResponse | None = None
+        self._finished = False
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    async def __aiter__(self) -> AsyncIterator[EngineEvent]:
+        connection = self.connection
+        request_id = self.request.request_id
+        outputs = connection.demux.register(request_id)
         try:
-            async for item in self.response:
-                yield item
+            admission = await self._admit()
+            if admission.refused is not None:
+                self._finished = True
+                yield EngineEvent(refused=admission.refused)
+                return
+            replica = connection.demux.replica
+            if replica is not None and admission.replica != replica:
+                raise ReplicaLostError("the engine client that took this request was replaced")
+            outputs.replica = admission.replica
+            if admission.accepted is not None:
+                yield EngineEvent(accepted=admission.accepted)
+            while not self._finished:
+                batch = await outputs.next()
+                self._finished = batch[-1].finished
+                yield EngineEvent(outputs=batch)
+        finally:
+            connection.demux.unregister(request_id)
+
+    async def _admit(self) -> Admission:
+        self._add = self.connection.handle.add.remote(self.request, self.images, self.connection.caller)
+        try:
+            return decode_admission(await self._add)
         except (EngineDeadError, EngineNotReadyError):
             raise  # the engine client's own errors (Ray's task error is an instance of them too)
         except BackPressureError:
@@ -75,11 +154,15 @@ class HandleEngineCall:
             raise ReplicaLostError(_describe(inner)) from None
 
     def cancel(self) -> None:
-        """Cancels the engine client's generator, whose cleanup aborts the request."""
+        """Give the request up: the engine client aborts it (or refuses its `add` if the abort
+        overtakes it)."""
+        if self._add is None or self._finished:
+            return
         try:
-            self.response.cancel()
-        except Exception:  # the call already failed (it re-raises that failure)
+            self._add.cancel()
+        except Exception:  # the call already failed (cancel re-raises that failure)
             pass
+        self.connection.abort(self.request.request_id)
 
 
 class HandlePreprocessing:

@@ -1,8 +1,11 @@
-"""The gateway's own inter-tier protocol: what the engine-client deployment streams and reports to the ingress over Ray.
+"""The gateway's own inter-tier protocol: what the engine-client deployment sends the ingress over Ray.
 
-Not vLLM's wire (that is `mmserve/wire`, which mirrors vLLM only). An engine request's stream is a
-sequence of `EngineEvent`s, msgpack-encoded: Ray moves bytes without pickling them, which is most
-of the per-token cost of a stream (see bench/RESULTS.md).
+Not vLLM's wire (that is `mmserve/wire`, which mirrors vLLM only). Per request, one Ray call
+(`add`) answers with its `Admission`; the request's outputs do not travel on a stream of their
+own: each ingress replica holds one long-lived stream per engine client (`subscribe`) whose items
+are `OutputBatch`es, the outputs of all that replica's requests since the previous item, merged
+while the ingress lags. So Ray carries one item per engine step per ingress replica, not one per
+token per request. Everything is msgpack-encoded: Ray moves bytes without pickling them.
 """
 
 from __future__ import annotations
@@ -24,18 +27,46 @@ class PromptAccepted(msgspec.Struct, frozen=True):
 
 class RequestRefused(msgspec.Struct, frozen=True):
     """The request was refused for the client's reasons: a bad image ("image"), a prompt the
-    engine guard refuses ("invalid"), the engine full ("overloaded"). Sent as the stream's only
-    event instead of raised: Serve logs every exception a replica method raises as an ERROR with
-    a traceback, which a client must not be able to cause at will."""
+    engine guard refuses ("invalid"), the engine full ("overloaded"). Returned in the `Admission`
+    instead of raised: Serve logs every exception a replica method raises as an ERROR with a
+    traceback, which a client must not be able to cause at will."""
 
     kind: str
     message: str
     param: str | None = None
 
 
+class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The answer to `add`: the request is with the engine (`accepted` for image requests, whose
+    prompt grew), or it was refused (and nothing reached the engine)."""
+
+    accepted: PromptAccepted | None = None
+    refused: RequestRefused | None = None
+    # The engine-client replica that took the request (its outputs come on its stream only).
+    replica: str | None = None
+
+
+class RequestFailed(msgspec.Struct, frozen=True):
+    """A request the engine client had sent failed without finishing (its engine died)."""
+
+    request_id: str
+    message: str
+
+
+class OutputBatch(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One item of an ingress replica's output stream from one engine client: its requests'
+    outputs in arrival order, and its requests that failed. The stream's first item is empty
+    except for `replica`, which names the engine-client replica serving it."""
+
+    outputs: list[EngineCoreOutput] = []
+    failures: list[RequestFailed] = []
+    replica: str | None = None
+
+
 class EngineEvent(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One item of an engine request's stream: the accepted prompt (first, image requests only)
-    or a batch of the engine's outputs, in arrival order; or, alone, the request's refusal."""
+    """One item of an engine request's stream inside the ingress: the accepted prompt (first,
+    image requests only) or a batch of the engine's outputs, in arrival order; or, alone, the
+    request's refusal."""
 
     outputs: list[EngineCoreOutput] = []
     accepted: PromptAccepted | None = None
@@ -76,13 +107,18 @@ class EngineInfo(msgspec.Struct, frozen=True):
     mm_cache_miss_resends: int = 0
 
 
-_event_encoder = msgspec.msgpack.Encoder()
-_event_decoder = msgspec.msgpack.Decoder(EngineEvent)
+_encoder = msgspec.msgpack.Encoder()
+_admission_decoder = msgspec.msgpack.Decoder(Admission)
+_batch_decoder = msgspec.msgpack.Decoder(OutputBatch)
 
 
-def encode_event(event: EngineEvent) -> bytes:
-    return _event_encoder.encode(event)
+def encode(message: Admission | OutputBatch) -> bytes:
+    return _encoder.encode(message)
 
 
-def decode_event(data: bytes) -> EngineEvent:
-    return _event_decoder.decode(data)
+def decode_admission(data: bytes) -> Admission:
+    return _admission_decoder.decode(data)
+
+
+def decode_output_batch(data: bytes) -> OutputBatch:
+    return _batch_decoder.decode(data)

@@ -3,7 +3,8 @@
 Imports only `mmserve.wire` (plus pyzmq, msgspec, numpy): no image or text stack.
 """
 
-from .client import EngineClient, EngineClientConfig, EngineState
+from .client import EngineClient, EngineState
+from .config import EngineClientConfig
 from .errors import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, EngineVersionError
 from .guard import InvalidRequestError, admit, context_exceeded, fit_max_tokens
 from .transport import EngineAddresses

@@ -1,8 +1,9 @@
 """The front-end of one vLLM engine: request lifecycle over the EngineCore wire.
 
-Lifecycle: `start()` binds the sockets and completes the handshake; `generate()` sends an
-ADD and yields the engine's outputs for that request until it finishes; leaving the
-iteration early (stop string matched, client gone, task cancelled) sends an ABORT, so no
+Lifecycle: `start()` binds the sockets and completes the handshake; `add()` sends an ADD and
+hands the engine's outputs for that request to its sink until it finishes (a sink may merge the
+outputs of many requests for one consumer: no task or queue per request here); `abort()` sends
+an ABORT; `generate()` is the one-request form, an iterator whose early exit aborts, so no
 request outlives its consumer; `close()` fails what is open and releases the sockets.
 
 An engine is declared dead, and every open request fails with `EngineDeadError`, when it
@@ -19,7 +20,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -31,7 +31,9 @@ from ..wire import EngineCoreOutput, EngineCoreRequest, EngineDeadMessage, Outpu
 from .errors import EngineDeadError, EngineError, EngineNotReadyError
 from .frame_diagnostics import FrameTrace
 from .guard import InvalidRequestError, admit
-from .mm_cache import EngineCacheSettings, SenderCacheMirror, feature_key
+from .outputs import OutputSink, RequestStream
+from .config import EngineClientConfig
+from .mm_cache import SenderCacheMirror, carries_data_for, feature_key
 from .transport import EngineAddresses, EngineTransport
 
 logger = logging.getLogger(__name__)
@@ -44,47 +46,15 @@ class EngineState(enum.Enum):
     CLOSED = "closed"
 
 
-@dataclass(frozen=True)
-class EngineClientConfig:
-    """How one engine client waits and watches. The timeouts have no defaults here: the
-    application's config (`serve_app.config.AppConfig`) is their one home."""
+class _InFlight:
+    """A request the engine holds: its sink, and the request itself (resent on a cache miss)."""
 
-    addresses: EngineAddresses
-    # vLLM loads the model before it answers; a large model can take minutes.
-    handshake_timeout_s: float
-    health_check_interval_s: float
-    # A utility call unanswered this long marks the engine hung. The engine answers between
-    # model steps, so this must exceed the longest step (a long prefill on a big model).
-    health_check_timeout_s: float
-    # Diagnostics: keep the memory locations of the last N zero-copy frames sent (0 = off).
-    trace_frames: int = 0
-    # The engine's multimodal processor cache (its launch flags): what the sender mirror copies.
-    mm_cache: EngineCacheSettings = EngineCacheSettings()
+    __slots__ = ("request", "sink", "resent")
 
-
-class _RequestStream:
-    """Outputs of one request, in arrival order; an exception ends the stream."""
-
-    __slots__ = ("queue", "finished")
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
-        self.finished = False
-
-    async def next_batch(self) -> list[EngineCoreOutput]:
-        """Every output queued now (at least one), up to the finishing one; raises a queued error."""
-        item = await self.queue.get()
-        batch: list[EngineCoreOutput] = []
-        while True:
-            if isinstance(item, BaseException):
-                raise item
-            batch.append(item)
-            if item.finished:
-                self.finished = True
-                return batch
-            if self.queue.empty():
-                return batch
-            item = self.queue.get_nowait()
+    def __init__(self, request: EngineCoreRequest, sink: OutputSink) -> None:
+        self.request = request
+        self.sink = sink
+        self.resent = False
 
 
 class EngineClient:
@@ -97,7 +67,7 @@ class EngineClient:
         self._transport: EngineTransport | None = None
         self._encoder = RequestEncoder()
         self._decoder = OutputDecoder()
-        self._streams: dict[str, _RequestStream] = {}
+        self._requests: dict[str, _InFlight] = {}
         self._utility_calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
@@ -124,6 +94,7 @@ class EngineClient:
         # ADDs carrying items go out in the order the mirror was updated in.
         self._add_lock = asyncio.Lock()
         self._release_task: asyncio.Task[None] | None = None
+        self._resends: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -194,51 +165,57 @@ class EngineClient:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return len(self._requests)
 
     # ----------------------------------------------------------------- requests
+
+    async def add(self, request: EngineCoreRequest, sink: OutputSink) -> None:
+        """Send `request`; its outputs go to `sink` until one is finished, or `sink.fail` is called
+        (engine dead). Raises if the request cannot be sent (then nothing reaches the sink)."""
+        self._raise_if_unusable()
+        assert self.ready is not None
+        request = admit(request, self.ready.max_model_len)
+        request_id = request.request_id
+        if request_id in self._requests:
+            # vLLM asserts on duplicate ids inside the engine, which kills it.
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        self._requests[request_id] = _InFlight(request, sink)
+        try:
+            await self._send_add(request)
+        except BaseException:
+            self._requests.pop(request_id, None)
+            raise
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[list[EngineCoreOutput]]:
         """Send `request` and yield its outputs (batched as they arrived) until it finishes.
 
         Closing or cancelling the iteration before the engine finished aborts the request.
         """
-        self._raise_if_unusable()
-        assert self.ready is not None
-        request = admit(request, self.ready.max_model_len)
-        request_id = request.request_id
-        if request_id in self._streams:
-            # vLLM asserts on duplicate ids inside the engine, which kills it.
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        stream = _RequestStream()
-        self._streams[request_id] = stream
-        resent = False
+        stream = RequestStream()
+        await self.add(request, stream)
         try:
-            await self._send_add(request)
             while not stream.finished:
-                batch = await stream.next_batch()
-                missing = batch[-1].mm_cache_miss_hashes
-                if missing and not resent and _has_data_for(request, missing):
-                    # The engine lost items we sent by hash (its cache drifted from our mirror):
-                    # resend once, every item with its data; the caller sees a normal answer.
-                    resent = True
-                    self.mm_cache_miss_resends += 1
-                    logger.warning("request %s: engine misses cached items %s; resending with data", request_id, missing)
-                    if self.mm_mirror is not None:
-                        for key in missing:
-                            self.mm_mirror.invalidate(key)
-                    stream = _RequestStream()
-                    self._streams[request_id] = stream
-                    await self._send_add(request, force_data=True)
-                    continue
-                yield batch
+                yield await stream.next_batch()
         finally:
-            self._streams.pop(request_id, None)
-            if not stream.finished and self.state is EngineState.READY:
-                await self._abort_quietly(request_id)
+            if not stream.finished:
+                await self.abort_quietly([request.request_id])
 
     async def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests in the engine; their sinks get nothing more."""
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
         await self._send(self._encoder.encode_abort(request_ids))
+
+    async def abort_quietly(self, request_ids: list[str]) -> None:
+        """`abort`, for cleanup paths: an engine that is dying or dead drops its requests anyway."""
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
+        if self.state is not EngineState.READY:
+            return
+        try:
+            await self.abort(request_ids)
+        except Exception as exc:
+            logger.debug("abort of %s failed: %s", request_ids, exc)
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """Call an EngineCore method by name (vLLM's UTILITY message) and return its result."""
@@ -290,12 +267,6 @@ class EngineClient:
                 raise EngineDeadError(self.death_reason) from None
             raise
 
-    async def _abort_quietly(self, request_id: str) -> None:
-        try:
-            await self.abort([request_id])
-        except Exception as exc:  # the engine may be dying; its requests die with it
-            logger.debug("abort of %s failed: %s", request_id, exc)
-
     async def _output_loop(self) -> None:
         assert self._transport is not None
         while True:
@@ -318,14 +289,46 @@ class EngineClient:
                     else:
                         future.set_result(utility.value)
             for output in outputs.outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is None:
+                entry = self._requests.get(output.request_id)
+                if entry is None:
                     # Late output of an aborted or finished request, or someone else's id.
                     continue
-                stream.queue.put_nowait(output)
                 if output.finished:
+                    if self._resend_on_cache_miss(entry, output.mm_cache_miss_hashes):
+                        continue
                     # Later outputs for this id (there should be none) are dropped.
-                    self._streams.pop(output.request_id, None)
+                    del self._requests[output.request_id]
+                entry.sink.put(output)
+
+    def _resend_on_cache_miss(self, entry: _InFlight, missing: list[str] | None) -> bool:
+        """The engine lost items we sent by hash (its cache drifted from our mirror): resend the
+        request once, every item with its data; the caller sees a normal answer."""
+        if not missing or entry.resent or not carries_data_for(entry.request.mm_features, missing):
+            return False
+        entry.resent = True
+        self.mm_cache_miss_resends += 1
+        request_id = entry.request.request_id
+        logger.warning("request %s: engine misses cached items %s; resending with data", request_id, missing)
+        if self.mm_mirror is not None:
+            for key in missing:
+                self.mm_mirror.invalidate(key)
+        task = asyncio.get_running_loop().create_task(self._resend(entry), name=f"resend-{request_id}")
+        self._resends.add(task)
+        task.add_done_callback(self._resends.discard)
+        return True
+
+    async def _resend(self, entry: _InFlight) -> None:
+        try:
+            await self._send_add(entry.request, force_data=True)
+        except EngineError as exc:
+            self._fail(entry.request.request_id, exc)
+        except Exception as exc:
+            self._fail(entry.request.request_id, EngineError(f"resending the request failed: {exc}"))
+
+    def _fail(self, request_id: str, error: EngineError) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            entry.sink.fail(request_id, error)
 
     async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
         while True:
@@ -378,15 +381,10 @@ class EngineClient:
         logger.info("engine sockets released (%s)", self.death_reason)
 
     def _fail_everything(self, error: EngineError) -> None:
-        for stream in self._streams.values():
-            stream.queue.put_nowait(error)
-        self._streams.clear()
+        requests, self._requests = self._requests, {}
+        for request_id, entry in requests.items():
+            entry.sink.fail(request_id, error)
         for future in self._utility_calls.values():
             if not future.done():
                 future.set_exception(error)
 
-
-def _has_data_for(request: EngineCoreRequest, keys: list[str]) -> bool:
-    """Whether the request carries the data of every missing item (else a resend cannot help)."""
-    with_data = {feature_key(f) for f in request.mm_features or [] if f.data is not None}
-    return all(key in with_data for key in keys)

@@ -51,6 +51,12 @@ def feature_key(feature: MultiModalFeatureSpec) -> str:
     return feature.mm_hash or feature.identifier
 
 
+def carries_data_for(features: list[MultiModalFeatureSpec] | None, keys: list[str]) -> bool:
+    """Whether `features` carry the data of every item in `keys` (else resending them cannot help)."""
+    with_data = {feature_key(f) for f in features or [] if f.data is not None}
+    return all(key in with_data for key in keys)
+
+
 def item_size(feature: MultiModalFeatureSpec) -> int:
     """Bytes the engine charges the item against its cache: the sum of its tensors' nbytes."""
     if feature.data is None:

@@ -22,7 +22,7 @@ from typing import Protocol
 from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from mmserve.multimodal import ImageBatchRequest
 from mmserve.multimodal.errors import ImageInputError
-from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused, decode_event
+from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused
 from mmserve.wire import EngineCoreRequest
 
 from .engine_affinity import AffinityKeys, AffinityTable, affinity_keys, choose_engine
@@ -61,11 +61,13 @@ class ReplicaLostError(Exception):
 
 
 class EngineCall(Protocol):
-    """One streaming generate call to an engine client: msgpack-encoded `EngineEvent`s."""
+    """One request on an engine client: its `EngineEvent`s, until it finished or failed."""
 
-    def __aiter__(self) -> AsyncIterator[bytes]: ...
+    def __aiter__(self) -> AsyncIterator[EngineEvent]: ...
 
-    def cancel(self) -> None: ...
+    def cancel(self) -> None:
+        """Give the request up before it finished (the engine aborts it)."""
+        ...
 
 
 class EngineConnection(Protocol):
@@ -75,6 +77,10 @@ class EngineConnection(Protocol):
     async def info(self) -> EngineInfo: ...
 
     def generate(self, request: EngineCoreRequest, images: object | None) -> EngineCall: ...
+
+    def close(self) -> None:
+        """Stop reading the engine client's outputs (the replica is shutting down)."""
+        ...
 
 
 class Preprocessing(Protocol):
@@ -166,6 +172,10 @@ class EngineRouter:
             await asyncio.sleep(0.2)
             self._refreshed_at = 0.0
 
+    def close(self) -> None:
+        for engine in self._engines:
+            engine.close()
+
     async def infos(self) -> list[EngineInfo | None]:
         return await self.refresh()
 
@@ -216,8 +226,7 @@ class EngineRouter:
             finished = produced = False
             retry: BaseException | None = None
             try:
-                async for item in call:
-                    event = decode_event(item)
+                async for event in call:
                     if event.refused is not None:
                         finished = True
                         raise refusal_error(event.refused)
@@ -252,7 +261,6 @@ class EngineRouter:
             finally:
                 self._in_flight[index] -= 1
                 if not finished:
-                    # Cancels the engine client's generator, whose cleanup aborts the request.
                     call.cancel()
             logger.warning("request %s: no output yet, trying again after: %s", request.request_id, retry)
 

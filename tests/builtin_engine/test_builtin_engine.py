@@ -21,7 +21,8 @@ from tokenizers import Tokenizer
 
 from mmserve.builtin_engine import DEFAULT_MODEL_DIR, builtin_engine_command
 from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineDeadError, EngineError
-from mmserve.engine.client import EngineState, _RequestStream
+from mmserve.engine.client import EngineState, _InFlight
+from mmserve.engine.outputs import RequestStream
 from mmserve.engine.transport import EngineTransport
 from mmserve.wire import (
     BatchedField,
@@ -572,7 +573,8 @@ async def test_interop_vllm_encoded_multimodal_request(vllm_codec, tokenizer):
     eng = await Engine().start()
     try:
         # Register a stream by hand: the frames come from vLLM's encoder, not EngineClient's.
-        stream = eng.client._streams.setdefault("vllm-mm", _RequestStream())
+        stream = RequestStream()
+        eng.client._requests["vllm-mm"] = _InFlight(vreq, stream)  # never resent: only its sink is used
         await eng.client._transport.send([b"\x00", *frames])
         tokens, final = [], None
         async with asyncio.timeout(10):

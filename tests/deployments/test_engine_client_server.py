@@ -1,4 +1,4 @@
-"""The engine-client deployment's plain class, without Ray: it starts its built-in engine, serves, reports, refuses past its limit."""
+"""The engine-client deployment's plain class, without Ray: it starts its built-in engine, serves into a caller's channel, reports, refuses past its limit."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dataclasses
 from deployments.engine_client import BuiltinEngineOptions, EngineClientServer, EngineClientSettings
 from mmserve.builtin_engine.settings import DEFAULT_MODEL_DIR
 from mmserve.engine import EngineAddresses
+from mmserve.engine.outputs import CallerChannel
 from mmserve.wire import EngineCoreRequest, SamplingParams
 
 
@@ -24,17 +25,44 @@ def test_serves_reports_and_refuses_past_its_in_flight_limit():
         server = EngineClientServer(settings)
         await server.start()
         try:
-            events = [event async for event in server.generate(_request("a"))]
-            tokens = [t for e in events for o in e.outputs for t in o.new_token_ids]
+            channel = CallerChannel()
+            admission = await server.add(_request("a"), None, channel)
+            outputs = []
+            while not (outputs and outputs[-1].finished):
+                taken, failures = await asyncio.wait_for(channel.take(), 30)
+                assert not failures
+                outputs += taken
+            tokens = [t for o in outputs for t in o.new_token_ids]
             info = await server.info()
             server.config = dataclasses.replace(settings, max_in_flight=0)
-            refused = [event async for event in server.generate(_request("b"))]
-            return tokens, info, refused
+            refused = await server.add(_request("b"), None, channel)
+            return admission, tokens, channel.request_ids, info, refused
         finally:
             await server.shutdown()
 
-    tokens, info, refused = asyncio.run(run())
+    admission, tokens, still_tracked, info, refused = asyncio.run(run())
+    assert admission.refused is None and admission.accepted is None  # a text request: the prompt is unchanged
     assert len(tokens) == 4
     assert (info.state, info.builtin, info.max_model_len, info.requests_sent) == ("ready", True, 256, 1)
     assert info.builtin_pid is not None
-    assert len(refused) == 1 and refused[0].refused.kind == "overloaded"
+    assert refused.refused is not None and refused.refused.kind == "overloaded"
+    assert still_tracked == set()
+
+
+def test_a_prompt_the_engine_guard_refuses_is_an_answer_not_an_exception():
+    async def run():
+        settings = EngineClientSettings(
+            addresses=EngineAddresses("tcp://127.0.0.1:0"), handshake_timeout_s=120.0, engine_wait_timeout_s=120.0,
+            builtin_engine=BuiltinEngineOptions(model_dir=DEFAULT_MODEL_DIR, max_model_len=8),
+        )
+        server = EngineClientServer(settings)
+        await server.start()
+        try:
+            too_long = EngineCoreRequest("c", list(range(1, 20)), None, SamplingParams(max_tokens=4), None, 0.0, None, None, None)
+            return await server.add(too_long, None, CallerChannel()), server.client.num_in_flight
+        finally:
+            await server.shutdown()
+
+    admission, in_flight = asyncio.run(run())
+    assert admission.refused is not None and admission.refused.kind == "invalid"
+    assert in_flight == 0

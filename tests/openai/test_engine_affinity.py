@@ -12,7 +12,7 @@ from mmserve.multimodal import ImageBatchRequest, PixelMode
 from mmserve.openai.engine_affinity import PREFIX_BLOCK_TOKENS, AffinityTable, affinity_keys, choose_engine
 from mmserve.openai.engine_router import EngineRouter, PendingImages
 from mmserve.openai.settings import RoutingSettings
-from mmserve.protocol import EngineEvent, EngineInfo, encode_event
+from mmserve.protocol import EngineEvent, EngineInfo
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
 
 
@@ -34,7 +34,7 @@ class TimedCall:
         await asyncio.sleep(self.delay_s)
         if self.fail is not None:
             raise self.fail
-        yield encode_event(EngineEvent(outputs=[EngineCoreOutput("r", [5], finish_reason=FinishReason.LENGTH)]))
+        yield EngineEvent(outputs=[EngineCoreOutput("r", [5], finish_reason=FinishReason.LENGTH)])
 
     def cancel(self) -> None:
         pass
@@ -53,6 +53,9 @@ class Engine:
     async def info(self) -> EngineInfo:
         return EngineInfo(state=self.state, builtin=True, handshake_address="tcp://x:1", max_model_len=100_000,
                           engine_waiting=self.waiting)
+
+    def close(self) -> None:
+        pass
 
     def generate(self, request, images):
         self.requests.append(request)

@@ -10,7 +10,7 @@ from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloade
 from mmserve.multimodal import ImageBatchRequest, PixelMode
 from mmserve.multimodal.errors import ImageInputError
 from mmserve.openai.engine_router import EngineRouter, NoEngineAliveError, PendingImages, ReplicaLostError
-from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused, encode_event
+from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
 
 
@@ -24,7 +24,7 @@ class FakeCall:
 
     async def __aiter__(self):
         for event in self.events:
-            yield encode_event(event)
+            yield event
         if self.fail is not None:
             raise self.fail
 
@@ -45,6 +45,9 @@ class FakeEngine:
     async def info(self) -> EngineInfo:
         return EngineInfo(state=self.state, builtin=self.builtin, handshake_address="tcp://x:1", max_model_len=64, dtype="float32",
                           death_reason="boom" if self.state == "dead" else None)
+
+    def close(self) -> None:
+        pass
 
     def generate(self, request, images):
         self.images.append(images)

@@ -1,0 +1,94 @@
+"""The ingress end of an engine client's output stream: each batch's outputs handed to their requests.
+
+An ingress replica receives the outputs of all its requests on one engine client as one stream of
+`OutputBatch`es (`mmserve.protocol`). `OutputDemux` hands each output to its request's
+`RequestOutputs`, which merges while its consumer lags (vLLM's `RequestOutputCollector`): a slow
+consumer takes everything that arrived at once, never one queue item per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from mmserve.engine import EngineDeadError
+from mmserve.protocol import OutputBatch
+from mmserve.wire import EngineCoreOutput
+
+from .engine_router import ReplicaLostError
+
+
+class RequestOutputs:
+    """One request's outputs not yet taken by its consumer; or the error that ended it."""
+
+    __slots__ = ("outputs", "error", "replica", "_ready")
+
+    def __init__(self) -> None:
+        self.outputs: list[EngineCoreOutput] = []
+        self.error: BaseException | None = None
+        # The engine-client replica holding the request (set once it admitted it).
+        self.replica: str | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: EngineCoreOutput) -> None:
+        self.outputs.append(output)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+            self._ready.set()
+
+    async def next(self) -> list[EngineCoreOutput]:
+        """Every output that arrived since the last call (waits for one); then the error, if any."""
+        while not self.outputs and self.error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self.outputs:
+            outputs, self.outputs = self.outputs, []
+            return outputs
+        assert self.error is not None
+        raise self.error
+
+
+class OutputDemux:
+    """The requests of one engine client, by id, as this ingress replica sent them."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, RequestOutputs] = {}
+        # The engine-client replica whose stream is being read (None: none yet).
+        self.replica: str | None = None
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def register(self, request_id: str) -> RequestOutputs:
+        """Before the request is sent: its outputs may arrive before the answer to `add` does."""
+        outputs = self._requests[request_id] = RequestOutputs()
+        return outputs
+
+    def unregister(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def dispatch(self, batch: OutputBatch) -> None:
+        requests = self._requests
+        for output in batch.outputs:
+            if (outputs := requests.get(output.request_id)) is not None:
+                outputs.put(output)
+        for failure in batch.failures:
+            if (outputs := requests.get(failure.request_id)) is not None:
+                outputs.fail(EngineDeadError(failure.message))
+
+    def connected(self, replica: str) -> None:
+        """A stream from `replica` began: requests admitted by any other replica will never hear
+        from it again (an engine client runs one replica; a new one means the old one is gone)."""
+        self.replica = replica
+        for outputs in self._requests.values():
+            if outputs.replica is not None and outputs.replica != replica:
+                outputs.fail(ReplicaLostError("the engine client serving this request was replaced"))
+
+    def lost(self, error: BaseException) -> None:
+        """The stream ended: every admitted request fails (a pending `add` learns its fate itself)."""
+        self.replica = None
+        for outputs in self._requests.values():
+            if outputs.replica is not None:
+                outputs.fail(error)
