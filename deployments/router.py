@@ -50,7 +50,9 @@ class HandleEngineConnection:
     `mmserve.protocol`), read by a background task and handed to each request by `OutputDemux`."""
 
     def __init__(self, handle: DeploymentHandle, caller: str | None) -> None:
-        self.handle = handle
+        # By reference, whatever Ray's defaults (RAY_SERVE_THROUGHPUT_OPTIMIZED makes calls by
+        # value): the preprocessor's response is resolved in the engine client, never here.
+        self.handle = handle.options(_by_reference=True)
         # This replica's actor name: engine clients abort our requests if we die.
         self.caller = caller or ""
         self.demux = OutputDemux()
@@ -167,7 +169,7 @@ class HandleEngineCall:
 
 class HandlePreprocessing:
     def __init__(self, handle: DeploymentHandle) -> None:
-        self.handle = handle
+        self.handle = handle.options(_by_reference=True)  # its response is an argument of `add` (above)
 
     def process(self, request: ImageBatchRequest) -> DeploymentResponse:
         """Unawaited: Ray resolves it in the engine client, so the pixels never pass through the ingress."""

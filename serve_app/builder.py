@@ -8,12 +8,16 @@ handles; each gets its own plain settings (`settings.py`), never the whole `AppC
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from ray.serve import Application
 
 from .config import AppConfig
 
+
+# Ray's setting that puts HAProxy, not Serve's Python proxy, in front of the ingress replicas.
+HA_PROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
 
 # A placement bundle cannot be empty: the engine client reserves a sliver of a CPU.
 ENGINE_CLIENT_CPUS = 0.01
@@ -31,6 +35,12 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     from .settings import engine_client_settings, preprocessor_scaling, preprocessor_settings, serving_settings
 
     config = AppConfig.model_validate(args or {})
+    if os.environ.get(HA_PROXY_FLAG) != "1":
+        # Said in the `serve run` process, whose output the user watches; Ray starts with it.
+        logging.getLogger("ray.serve").warning(
+            "%s is not set: Serve's Python proxy relays every request and SSE chunk (≈20%% of the gateway's CPU "
+            "per request); start Ray with %s=1 (README, `cluster/`)", HA_PROXY_FLAG, HA_PROXY_FLAG,
+        )
     actor_options: dict = {"num_cpus": 0, "resources": dict(config.engine_client_resources)}
     placement: dict = {}
     if config.engine_launch is not None:

@@ -44,6 +44,8 @@ class ServeRun:
             "RAY_TMPDIR": str(self.tmp),
             "RAY_AUTH_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0",
+            # As README starts it: HAProxy in front of the ingress replicas' own HTTP servers.
+            "RAY_SERVE_ENABLE_HA_PROXY": "1",
             "PYTHONPATH": str(REPO),
             **(env or {}),
         }

@@ -47,7 +47,7 @@ def run_logged(cmd: list[str], *, timeout_s: float, cwd: Path | None = None, env
 
 def serve_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VIRTUAL_ENV", "PYTHONPATH"))}
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_SERVE_ENABLE_HA_PROXY="1")  # as README starts it
     return env
 
 
