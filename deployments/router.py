@@ -8,6 +8,7 @@ EngineRouter`; this module only adapts `DeploymentHandle`s to its `EngineConnect
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator
 
@@ -64,12 +65,17 @@ class HandleEngineConnection:
 
     def generate(self, request: EngineCoreRequest, images: object | None) -> "HandleEngineCall":
         if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read_outputs(), name="engine-outputs")
+            # Outside the request's context: Serve cancels the handle calls a request made when
+            # that request is cancelled (its client left), and this stream serves every request.
+            self._reader = asyncio.get_running_loop().create_task(
+                self._read_outputs(), name="engine-outputs", context=contextvars.Context()
+            )
         return HandleEngineCall(self, request, images)
 
     def abort(self, request_id: str) -> None:
-        """Fire and forget: the request is given up here whatever the engine client answers."""
-        task = asyncio.get_running_loop().create_task(self._abort(request_id))
+        """Fire and forget: the request is given up here whatever the engine client answers.
+        Outside the request's context, which is being cancelled (see above)."""
+        task = asyncio.get_running_loop().create_task(self._abort(request_id), context=contextvars.Context())
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 

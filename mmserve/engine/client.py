@@ -34,7 +34,7 @@ from .guard import InvalidRequestError, admit
 from .outputs import OutputSink, RequestStream
 from .config import EngineClientConfig
 from .mm_cache import SenderCacheMirror, carries_data_for, feature_key
-from .transport import EngineAddresses, EngineTransport
+from .transport import EngineTransport
 
 logger = logging.getLogger(__name__)
 

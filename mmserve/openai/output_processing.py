@@ -127,22 +127,27 @@ class OutputProcessor:
                     continue
                 if seq is None:
                     seq = self._sequence_text(prepared)
+                # Every output that arrived since the last delta makes one delta (vLLM's collector
+                # merges the same way while its consumer lags); stop strings are still checked
+                # per engine step.
+                finish_reason, stop_reason = None, None
                 for output in event.outputs:
                     finish = output.finish_reason
                     if finish is FinishReason.ERROR:
                         raise OpenAIError("the engine failed to process the request", status=500)
                     stop_string = seq.update(output.new_token_ids, stop_terminated=finish is FinishReason.STOP)
-                    finish_reason, stop_reason = None, None
                     if stop_string is not None:
                         finish_reason, stop_reason = "stop", stop_string
-                    elif finish is not None:
+                        break
+                    if finish is not None:
                         finish_reason, stop_reason = finish.openai_name, output.stop_reason
-                    text = seq.next_delta(finished=finish_reason is not None)
-                    new_ids = seq.token_ids[emitted_ids:]
-                    emitted_ids = len(seq.token_ids)
-                    yield ChoiceDelta(index, text, new_ids, finish_reason, stop_reason)
-                    if finish_reason is not None:
-                        return
+                        break
+                text = seq.next_delta(finished=finish_reason is not None)
+                new_ids = seq.token_ids[emitted_ids:]
+                emitted_ids = len(seq.token_ids)
+                yield ChoiceDelta(index, text, new_ids, finish_reason, stop_reason)
+                if finish_reason is not None:
+                    return
             raise OpenAIError("the engine stream ended without finishing the request", status=500)
         except Exception as exc:
             error = openai_error(exc)

@@ -22,6 +22,7 @@ from .protocol import (
 )
 from .serving_common import ServingContext
 from .sse import event_stream, sse, started
+from .stream_chunks import DeltaChunks
 
 
 class ChatServing:
@@ -30,7 +31,7 @@ class ChatServing:
 
     async def chat(
         self, request: ChatCompletionRequest, record: RequestRecord | None = None
-    ) -> ChatCompletionResponse | AsyncIterator[str]:
+    ) -> ChatCompletionResponse | AsyncIterator[str | bytes]:
         context = self.context
         context.check_model(request.model)
         request_checks.check_chat_request(request)
@@ -61,7 +62,7 @@ class ChatServing:
             extra=lambda: {"prompt_token_ids": prepared.prompt_token_ids if with_ids else None},
         )
 
-    async def _stream(self, request: ChatCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
+    async def _stream(self, request: ChatCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str | bytes]:
         with_ids = bool(request.return_token_ids)
         model = self.context.model_name
 
@@ -72,16 +73,10 @@ class ChatServing:
             )
             return sse(body.model_dump_json(exclude_none=True))
 
-        def delta_chunk(delta: ChoiceDelta) -> str:
-            return chunk([
-                ChatCompletionStreamChoice(
-                    index=delta.index,
-                    delta=DeltaMessage(content=delta.text),
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
-                    token_ids=delta.token_ids if with_ids else None,
-                )
-            ])
+        chunks = DeltaChunks("chat.completion.chunk", prepared.request_id, prepared.created, model)
+
+        def delta_chunk(delta: ChoiceDelta) -> bytes:
+            return chunks.chat(delta, with_ids)
 
         # First chunk of every choice announces the role, as OpenAI and vLLM do.
         def opening() -> str:

@@ -11,6 +11,7 @@ from .output_processing import ChoiceDelta, ChoiceResult, usage
 from .protocol import CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, UsageInfo
 from .serving_common import ServingContext
 from .sse import event_stream, sse, started
+from .stream_chunks import DeltaChunks
 
 
 class CompletionServing:
@@ -19,7 +20,7 @@ class CompletionServing:
 
     async def completion(
         self, request: CompletionRequest, record: RequestRecord | None = None
-    ) -> CompletionResponse | AsyncIterator[str]:
+    ) -> CompletionResponse | AsyncIterator[str | bytes]:
         context = self.context
         context.check_model(request.model)
         request_checks.check_completion_request(request)
@@ -41,7 +42,7 @@ class CompletionServing:
 
         return await context.outputs.full_response(prepared, CompletionResponse, choice, model=context.model_name)
 
-    async def _stream(self, request: CompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
+    async def _stream(self, request: CompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str | bytes]:
         with_ids = bool(request.return_token_ids)
         model = self.context.model_name
         sent_prompt_ids: set[int] = set()
@@ -50,14 +51,12 @@ class CompletionServing:
             body = CompletionChunk(id=prepared.request_id, created=prepared.created, model=model, choices=choices, usage=usage_info)
             return sse(body.model_dump_json(exclude_none=True))
 
-        def delta_chunk(delta: ChoiceDelta) -> str:
+        chunks = DeltaChunks("text_completion", prepared.request_id, prepared.created, model)
+
+        def delta_chunk(delta: ChoiceDelta) -> bytes:
             first = delta.index not in sent_prompt_ids
             sent_prompt_ids.add(delta.index)
-            return chunk([CompletionChoice(
-                index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-                token_ids=delta.token_ids if with_ids else None,
-                prompt_token_ids=prepared.prompt_token_ids if (with_ids and first) else None,
-            )])
+            return chunks.completion(delta, with_ids, prepared.prompt_token_ids if (with_ids and first) else None)
 
         deltas = self.context.outputs.deltas(prepared)
         async for event in event_stream(request, deltas, delta_chunk, lambda tokens: chunk([], usage_info=usage(prepared, tokens))):

@@ -27,11 +27,11 @@ class ErrorEvent(str):
     __slots__ = ()
 
 
-async def started(stream: AsyncIterator[str]) -> AsyncIterator[str]:
+async def started(stream: AsyncIterator[str | bytes]) -> AsyncIterator[str | bytes]:
     """Run `stream` up to its first event; return a stream that yields it and the rest."""
     first = await anext(stream)
 
-    async def chained() -> AsyncIterator[str]:
+    async def chained() -> AsyncIterator[str | bytes]:
         yield first
         async for chunk in stream:
             yield chunk
@@ -42,10 +42,10 @@ async def started(stream: AsyncIterator[str]) -> AsyncIterator[str]:
 async def event_stream(
     request: SamplingRequestFields,
     deltas: AsyncIterator[ChoiceDelta],
-    delta_chunk: Callable[[ChoiceDelta], str],
+    delta_chunk: Callable[[ChoiceDelta], str | bytes],
     usage_chunk: Callable[[int], str],
     opening: Callable[[], str] | None = None,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[str | bytes]:
     """Deltas as events (skipping empty ones), usage if asked for (`usage_chunk(completion
     tokens)`), then [DONE]; an error after the first event is an `ErrorEvent`."""
     with_ids = bool(request.return_token_ids)

@@ -53,7 +53,8 @@ def _tokens(server: OpenAIServer, text: str) -> list[int]:
 
 
 async def _events(stream) -> list[str]:
-    return [event async for event in stream]
+    """SSE events as text (delta chunks come as bytes, the others as str; `ErrorEvent`s keep their type)."""
+    return [event.decode() if isinstance(event, bytes) else event async for event in stream]
 
 
 def test_a_chat_response_is_built_once_with_usage_and_choices():
