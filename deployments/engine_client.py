@@ -27,6 +27,7 @@ from mmserve.builtin_engine.launcher import BuiltinEngineProcess
 from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineState, InvalidRequestError, admit
 from mmserve.engine.outputs import CallerChannel, OutputSink
 from mmserve.engine.frame_diagnostics import FrameTrace
+from mmserve.engine.output_link import OutputOutbox
 from mmserve.engine.mm_cache import EngineCacheSettings
 from mmserve.multimodal import ImagesRefused, PlaceholderMismatch, ProcessedImages, attach_images
 from mmserve.protocol import Admission, EngineInfo, OutputBatch, PromptAccepted, RequestFailed, RequestRefused, encode
@@ -276,10 +277,10 @@ def _log_start_failure(task: asyncio.Task[Any]) -> None:
     health_check_timeout_s=10,
 )
 class EngineClientDeployment:
-    """Each ingress replica (a caller) holds one long-lived `subscribe` stream here, which carries
-    the outputs of all its requests, merged per engine step (`CallerChannel`); `add` sends one
-    request and answers at once. So Ray moves one item per engine step per caller, not one per
-    token per request (see `mmserve.protocol`)."""
+    """Each ingress replica (a caller) holds one long-lived `subscribe` call here, beside which the
+    outputs of all its requests travel over ZMQ, merged per engine step (`CallerChannel`); `add`
+    sends one request and answers at once. So Ray carries one call per request, and no item per
+    token (see `mmserve.protocol`)."""
 
     async def __init__(self, settings: EngineClientSettings) -> None:
         self.server = EngineClientServer(settings)
@@ -297,22 +298,26 @@ class EngineClientDeployment:
             self._callers.watch(caller)
         return channel
 
-    async def subscribe(self, caller: str) -> AsyncIterator[bytes]:
-        """The caller's output stream: first an `OutputBatch` naming this replica, then batches of
-        its requests' outputs and failures, each as soon as the previous one is on its way. Ends
-        (and aborts the caller's requests) when the caller cancels it or dies."""
+    async def subscribe(self, caller: str, inbox: str) -> AsyncIterator[bytes]:
+        """The caller's output stream: one `OutputBatch` naming this replica, here; then, over ZMQ
+        to the caller's `inbox` (see `mmserve.engine.output_link`), batches of its requests' outputs
+        and failures, each as soon as the previous one is on its way. This call stays open as
+        long as the link: it ends (and aborts the caller's requests) when the caller cancels it or
+        dies."""
         channel = self._channel(caller)
         task = asyncio.current_task()
         assert task is not None
         if (previous := self._subscribers.get(caller)) is not None:
             previous.cancel()  # one stream per caller: the newest
         self._subscribers[caller] = task
+        outbox = OutputOutbox(inbox)
         try:
             yield encode(OutputBatch(replica=self.replica))
             while True:
                 outputs, failures = await channel.take()
-                yield encode(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures]))
+                await outbox.send(encode(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures])))
         finally:
+            outbox.close()
             if self._subscribers.get(caller) is task:
                 del self._subscribers[caller]
                 await self._drop_caller(caller)

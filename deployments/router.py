@@ -18,6 +18,7 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from mmserve.engine import EngineDeadError, EngineNotReadyError
+from mmserve.engine.output_link import OutputInbox
 from mmserve.multimodal import ImageBatchRequest
 from mmserve.openai.engine_outputs import OutputDemux
 from mmserve.openai.engine_router import EngineRouter, ReplicaLostError
@@ -47,7 +48,7 @@ def engine_router(
 
 class HandleEngineConnection:
     """One engine-client deployment, through its handle: requests go as one `add` call each; their
-    outputs come back on one long-lived `subscribe` stream for this whole replica (see
+    outputs come back over ZMQ to this replica's inbox, beside one long-lived `subscribe` call (see
     `mmserve.protocol`), read by a background task and handed to each request by `OutputDemux`."""
 
     def __init__(self, handle: DeploymentHandle, caller: str | None) -> None:
@@ -86,24 +87,34 @@ class HandleEngineConnection:
             logger.debug("abort of %s failed: %s", request_id, exc)
 
     async def _read_outputs(self) -> None:
-        """Follow the engine client's output stream for this replica, for the replica's life;
-        when it breaks, fail the requests it carried and subscribe again."""
+        """Follow the engine client's outputs for this replica, for the replica's life: batches
+        arrive over ZMQ at this connection's inbox, while the `subscribe` call beside it says which
+        engine-client replica sends them, and by ending, that it is gone; then the requests it
+        carried fail and this subscribes again."""
+        inbox = OutputInbox(_node_ip())
+        receiver = asyncio.get_running_loop().create_task(self._receive(inbox), name="engine-output-inbox")
+        try:
+            while True:
+                try:
+                    async for item in self.handle.options(stream=True).subscribe.remote(self.caller, inbox.address):
+                        if (replica := decode_output_batch(item).replica) is not None:
+                            self.demux.connected(replica)
+                    error = ReplicaLostError("the engine client ended its output stream")
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    error = ReplicaLostError(_describe(_unwrap(exc)))
+                if len(self.demux):
+                    logger.warning("engine client output stream lost: %s", error)
+                self.demux.lost(error)
+                await asyncio.sleep(RESUBSCRIBE_DELAY_S)
+        finally:
+            receiver.cancel()
+            inbox.close()
+
+    async def _receive(self, inbox: OutputInbox) -> None:
         while True:
-            try:
-                async for item in self.handle.options(stream=True).subscribe.remote(self.caller):
-                    batch = decode_output_batch(item)
-                    if batch.replica is not None:
-                        self.demux.connected(batch.replica)
-                    self.demux.dispatch(batch)
-                error = ReplicaLostError("the engine client ended its output stream")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                error = ReplicaLostError(_describe(_unwrap(exc)))
-            if len(self.demux):
-                logger.warning("engine client output stream lost: %s", error)
-            self.demux.lost(error)
-            await asyncio.sleep(RESUBSCRIBE_DELAY_S)
+            self.demux.dispatch(decode_output_batch(await inbox.recv()))
 
     def close(self) -> None:
         if self._reader is not None:
@@ -118,7 +129,8 @@ class HandleEngineCall:
         self.request = request
         self.images = images
         self._add: DeploymentResponse | None = None
-        self._finished = False
+        # The engine client may hold the request (sent, not refused, not finished): `cancel` aborts it.
+        self._held = False
 
     async def __aiter__(self) -> AsyncIterator[EngineEvent]:
         connection = self.connection
@@ -127,7 +139,7 @@ class HandleEngineCall:
         try:
             admission = await self._admit()
             if admission.refused is not None:
-                self._finished = True
+                self._held = False
                 yield EngineEvent(refused=admission.refused)
                 return
             replica = connection.demux.replica
@@ -136,17 +148,28 @@ class HandleEngineCall:
             outputs.replica = admission.replica
             if admission.accepted is not None:
                 yield EngineEvent(accepted=admission.accepted)
-            while not self._finished:
+            while self._held:
                 batch = await outputs.next()
-                self._finished = batch[-1].finished
+                self._held = not batch[-1].finished
                 yield EngineEvent(outputs=batch)
         finally:
             connection.demux.unregister(request_id)
 
-    async def _admit(self) -> Admission:
+    async def _send_add(self) -> Admission:
         self._add = self.connection.handle.add.remote(self.request, self.images, self.connection.caller)
+        self._held = True  # until the answer says otherwise
         try:
             return decode_admission(await self._add)
+        except Exception:
+            # The engine client does not hold the request: nothing to abort (an abort would make
+            # it refuse a retry of the same request, after a preprocessing replica died).
+            self._held = False
+            raise
+
+    async def _admit(self) -> Admission:
+        """The engine client's answer to `add`, Ray's failures typed."""
+        try:
+            return await self._send_add()
         except (EngineDeadError, EngineNotReadyError):
             raise  # the engine client's own errors (Ray's task error is an instance of them too)
         except BackPressureError:
@@ -164,10 +187,10 @@ class HandleEngineCall:
     def cancel(self) -> None:
         """Give the request up: the engine client aborts it (or refuses its `add` if the abort
         overtakes it)."""
-        if self._add is None or self._finished:
+        if not self._held:
             return
         try:
-            self._add.cancel()
+            self._add.cancel()  # type: ignore[union-attr]  (set whenever _held is)
         except Exception:  # the call already failed (cancel re-raises that failure)
             pass
         self.connection.abort(self.request.request_id)
@@ -187,6 +210,13 @@ def _replica_name() -> str | None:
         return serve.get_replica_context().replica_id.to_full_id_str()
     except Exception:  # not in a replica
         return None
+
+
+def _node_ip() -> str:
+    """Where engine clients reach this replica (they may run on other nodes)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def _describe(exc: BaseException) -> str:

@@ -2,10 +2,10 @@
 
 Not vLLM's wire (that is `mmserve/wire`, which mirrors vLLM only). Per request, one Ray call
 (`add`) answers with its `Admission`; the request's outputs do not travel on a stream of their
-own: each ingress replica holds one long-lived stream per engine client (`subscribe`) whose items
-are `OutputBatch`es, the outputs of all that replica's requests since the previous item, merged
-while the ingress lags. So Ray carries one item per engine step per ingress replica, not one per
-token per request. Everything is msgpack-encoded: Ray moves bytes without pickling them.
+own: each ingress replica subscribes once to each engine client, which then sends it
+`OutputBatch`es, the outputs of all that replica's requests since the previous batch, merged
+while the ingress lags, over ZMQ (`mmserve.engine.output_link`), not Ray. So Ray carries one call
+per request and nothing per token. Everything is msgpack-encoded.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ class RequestFailed(msgspec.Struct, frozen=True):
 
 
 class OutputBatch(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One item of an ingress replica's output stream from one engine client: its requests'
-    outputs in arrival order, and its requests that failed. The stream's first item is empty
-    except for `replica`, which names the engine-client replica serving it."""
+    """One message of an ingress replica's output stream from one engine client: its requests'
+    outputs in arrival order, and its requests that failed. The `subscribe` call's one item is
+    empty except for `replica`, which names the engine-client replica sending the stream."""
 
     outputs: list[EngineCoreOutput] = []
     failures: list[RequestFailed] = []
