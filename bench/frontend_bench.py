@@ -74,6 +74,10 @@ from typing import Any, Callable, Literal, TypeVar
 # The environment this bench was started with, before gateway_bench's defaults are added to it.
 START_ENV = dict(os.environ)
 
+# Started in the background (`cmd &` in a script), this process inherits SIGINT ignored, and so
+# would `serve run`, which stops on SIGINT: a handler here makes it the default again in children.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gateway_bench as gb  # noqa: E402  (puts the repository on sys.path)
 import image_chat_bench as ic  # noqa: E402

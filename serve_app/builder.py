@@ -38,8 +38,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if os.environ.get(HA_PROXY_FLAG) != "1":
         # Said in the `serve run` process, whose output the user watches; Ray starts with it.
         logging.getLogger("ray.serve").warning(
-            "%s is not set: Serve's Python proxy relays every request and SSE chunk (≈20%% of the gateway's CPU "
-            "per request); start Ray with %s=1 (README, `cluster/`)", HA_PROXY_FLAG, HA_PROXY_FLAG,
+            "%s is not set: Serve's Python proxy relays every request and SSE chunk (a quarter of the gateway's "
+            "CPU per request, measured at 32 streams); start Ray with %s=1 (README, `cluster/`)", HA_PROXY_FLAG, HA_PROXY_FLAG,
         )
     actor_options: dict = {"num_cpus": 0, "resources": dict(config.engine_client_resources)}
     placement: dict = {}

@@ -1,0 +1,139 @@
+"""Where the gateway's own replicas spend their CPU per token: py-spy profiles under streamed text load.
+
+    .venv/bin/python bench/ingress_profile.py [--seconds 15] [--concurrency 32] [--out FILE.md]
+
+Starts the service exactly as README's quick start does (`serve run serve_app:app`, README's
+environment, the built-in engine: no model work, so the gateway's own cost stands out), drives
+streamed chat completions (64 tokens out, `ignore_eos`) at the given concurrency, and meanwhile
+samples the Ingress and EngineClient0 replicas with `py-spy record` (the `py-spy` that `ray`
+installs). Prints, per replica, the functions with the most samples on top of the stack (self time)
+and the functions of this repository with the most samples anywhere on the stack (inclusive), as
+shares of all samples. Not a test; run it alone on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import frontend_bench as fb  # noqa: E402  (puts the repository on sys.path)
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+REPLICAS = {"Ingress": ":Ingress", "EngineClient0": ":EngineClient0"}
+BODY = {
+    "model": "mmserve-builtin", "stream": True, "max_tokens": 64, "ignore_eos": True, "temperature": 0,
+    "messages": [{"role": "user", "content": "Describe a quiet river at morning, with the bridge, the market and the tower."}],
+}
+
+
+async def load(url: str, concurrency: int, seconds: float) -> int:
+    done = 0
+    deadline = time.monotonic() + seconds
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency + 2)) as client:
+        async def worker() -> None:
+            nonlocal done
+            while time.monotonic() < deadline:
+                async with client.stream("POST", url, json=BODY) as response:
+                    async for _ in response.aiter_lines():
+                        pass
+                done += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done
+
+
+def replica_pid(marker: str) -> int:
+    for proc in psutil.process_iter(["cmdline"]):
+        if any("ServeReplica" in part and marker in part for part in proc.info["cmdline"] or []):
+            return proc.pid
+    raise RuntimeError(f"no replica process matching {marker!r}")
+
+
+def top_frames(raw: Path, top: int) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """(self, inclusive-in-this-repository) shares from py-spy's collapsed stacks."""
+    self_counts: collections.Counter[str] = collections.Counter()
+    ours: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [re.sub(r" \((/[^:]*/)?([^/:]+):\d+\)$", r" (\2)", f) for f in stack.split(";")]
+        self_counts[frames[-1]] += n
+        for frame in set(f for f, full in zip(frames, stack.split(";")) if str(fb.REPO) in full and "/.venv" not in full):
+            ours[frame] += n
+    share = lambda c: [(name, n / total) for name, n in c.most_common(top)] if total else []  # noqa: E731
+    return share(self_counts), share(ours)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--out", help="also write the tables to this markdown file")
+    args = parser.parse_args()
+    line, readme_env, port = fb.readme_quick_start()
+    env = fb.serve_environment(readme_env, {})
+    tmp = Path(tempfile.mkdtemp(prefix="ingress_profile_"))
+    log = open(tmp / "serve_run.log", "wb")
+    serve = subprocess.Popen([str(fb.GATEWAY_VENV_BIN / "serve"), "run", "serve_app:app"], cwd=fb.REPO, env=env,
+                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or serve.poll() is not None:
+                raise RuntimeError((tmp / "serve_run.log").read_text()[-3000:])
+            time.sleep(0.5)
+        url = base + "/v1/chat/completions"
+        asyncio.run(load(url, 4, 3.0))  # warm-up
+        spies = {}
+        for name, marker in REPLICAS.items():
+            raw = tmp / f"{name}.txt"
+            spies[name] = (raw, subprocess.Popen(
+                [str(fb.GATEWAY_VENV_BIN / "py-spy"), "record", "--format", "raw", "--rate", "200", "--nonblocking",
+                 "--duration", str(int(args.seconds)), "--pid", str(replica_pid(marker)), "--output", str(raw)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))
+        done = asyncio.run(load(url, args.concurrency, args.seconds + 1))
+        for _, spy in spies.values():
+            spy.wait(timeout=60)
+    finally:
+        os.killpg(serve.pid, signal.SIGINT)
+        serve.wait(timeout=90)
+    sections = [f"Profile: `{' '.join(sys.argv)}`; README's environment {readme_env}; {done} streams of 64 tokens at "
+                f"c={args.concurrency} in {args.seconds + 1:g} s (built-in engine)."]
+    for name, (raw, _) in spies.items():
+        own, ours = top_frames(raw, args.top)
+        sections += [f"\n#### {name}: top functions by self samples\n", "| share | function (file) |", "|---:|---|"]
+        sections += [f"| {share:.1%} | `{frame}` |" for frame, share in own]
+        sections += [f"\n#### {name}: this repository's functions by inclusive samples\n", "| share | function (file) |", "|---:|---|"]
+        sections += [f"| {share:.1%} | `{frame}` |" for frame, share in ours]
+    text = "\n".join(sections)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
