@@ -32,6 +32,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 REPLICAS = {"Ingress": ":Ingress", "EngineClient0": ":EngineClient0"}
+OUR_PACKAGES = ("mmserve/", "deployments/", "serve_app/")
 BODY = {
     "model": "mmserve-builtin", "stream": True, "max_tokens": 64, "ignore_eos": True, "temperature": 0,
     "messages": [{"role": "user", "content": "Describe a quiet river at morning, with the bridge, the market and the tower."}],
@@ -72,9 +73,10 @@ def top_frames(raw: Path, top: int) -> tuple[list[tuple[str, float]], list[tuple
             continue
         n = int(count)
         total += n
-        frames = [re.sub(r" \((/[^:]*/)?([^/:]+):\d+\)$", r" (\2)", f) for f in stack.split(";")]
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
         self_counts[frames[-1]] += n
-        for frame in set(f for f, full in zip(frames, stack.split(";")) if str(fb.REPO) in full and "/.venv" not in full):
+        # py-spy names this repository's files relative to it, and installed packages by their path.
+        for frame in set(f for f in frames if f.rsplit(" (", 1)[-1].startswith(OUR_PACKAGES)):
             ours[frame] += n
     share = lambda c: [(name, n / total) for name, n in c.most_common(top)] if total else []  # noqa: E731
     return share(self_counts), share(ours)
