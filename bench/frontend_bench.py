@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -69,6 +70,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable, Literal, TypeVar
 
 # The environment this bench was started with, before gateway_bench's defaults are added to it.
@@ -577,6 +579,34 @@ class ServeRun:
             return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE and self.owns(proc)
         except psutil.Error:
             return False
+
+
+@contextlib.contextmanager
+def quick_start_serving(env: dict[str, str], port: int, log_path: Path, timeout_s: float = 180.0) -> Iterator[tuple[str, int]]:
+    """README's quick start (`serve run serve_app:app`, built-in engine) with `env`, from the repository
+    root, until a chat is answered; yields its base URL and `serve run`'s pid; SIGINT to its session at the end."""
+    serve = subprocess.Popen([str(GATEWAY_VENV_BIN / "serve"), "run", "serve_app:app"], cwd=REPO, env=env,
+                             stdout=log_path.open("wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    chat = {"model": "mmserve-builtin", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello!"}]}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.post(base + "/v1/chat/completions", json=chat, timeout=10).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or serve.poll() is not None:
+                raise RuntimeError(log_path.read_text(errors="replace")[-3000:])
+            time.sleep(0.5)
+        yield base, serve.pid
+    finally:
+        os.killpg(serve.pid, signal.SIGINT)
+        serve.wait(timeout=90)
+        while not port_is_free(port):
+            time.sleep(1)
 
 
 def serve_environment(readme_env: dict[str, str], overrides: dict[str, str]) -> dict[str, str]:

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +23,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import frontend_bench as fb  # noqa: E402  (puts the repository on sys.path)
 
-import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 DEFAULT_VARIANTS = {
@@ -35,7 +31,6 @@ DEFAULT_VARIANTS = {
     "metrics export 1 s": {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"},
     "both": {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"},
 }
-CHAT = {"model": "mmserve-builtin", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello!"}]}
 
 
 def tree(root: psutil.Process) -> list[psutil.Process]:
@@ -56,33 +51,14 @@ def cpu_seconds(procs: list[psutil.Process]) -> dict[int, tuple[str, float]]:
 
 def measure(env: dict[str, str], port: int, seconds: float, settle_s: float) -> dict[str, float]:
     """Cores per process label over `seconds` of idleness."""
-    with tempfile.TemporaryDirectory(prefix="idle_bench_") as tmp, open(Path(tmp) / "serve.log", "wb") as log:
-        serve = subprocess.Popen([str(fb.GATEWAY_VENV_BIN / "serve"), "run", "serve_app:app"], cwd=fb.REPO, env=env,
-                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    if httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or serve.poll() is not None:
-                    raise RuntimeError((Path(tmp) / "serve.log").read_text()[-3000:])
-                time.sleep(0.5)
-            time.sleep(settle_s)
-            root = psutil.Process(serve.pid)
-            before = cpu_seconds(tree(root))
-            t0 = time.monotonic()
-            time.sleep(seconds)
-            after = cpu_seconds(tree(root))
-            wall = time.monotonic() - t0
-        finally:
-            os.killpg(serve.pid, signal.SIGINT)
-            serve.wait(timeout=90)
-        while not fb.port_is_free(port):
-            time.sleep(1)
+    with tempfile.TemporaryDirectory(prefix="idle_bench_") as tmp, fb.quick_start_serving(env, port, Path(tmp) / "serve.log") as (_, pid):
+        time.sleep(settle_s)
+        root = psutil.Process(pid)
+        before = cpu_seconds(tree(root))
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        after = cpu_seconds(tree(root))
+        wall = time.monotonic() - t0
     cores: dict[str, float] = collections.defaultdict(float)
     for pid, (label, cpu) in after.items():
         cores[label] += max(0.0, cpu - before.get(pid, (label, 0.0))[1]) / wall

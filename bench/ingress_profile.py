@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -89,24 +87,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", help="also write the tables to this markdown file")
     args = parser.parse_args()
-    line, readme_env, port = fb.readme_quick_start()
+    _, readme_env, port = fb.readme_quick_start()
     env = fb.serve_environment(readme_env, {})
     tmp = Path(tempfile.mkdtemp(prefix="ingress_profile_"))
-    log = open(tmp / "serve_run.log", "wb")
-    serve = subprocess.Popen([str(fb.GATEWAY_VENV_BIN / "serve"), "run", "serve_app:app"], cwd=fb.REPO, env=env,
-                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or serve.poll() is not None:
-                raise RuntimeError((tmp / "serve_run.log").read_text()[-3000:])
-            time.sleep(0.5)
+    with fb.quick_start_serving(env, port, tmp / "serve_run.log") as (base, _):
         url = base + "/v1/chat/completions"
         asyncio.run(load(url, 4, 3.0))  # warm-up
         spies = {}
@@ -120,9 +104,6 @@ def main() -> None:
         done = asyncio.run(load(url, args.concurrency, args.seconds + 1))
         for _, spy in spies.values():
             spy.wait(timeout=60)
-    finally:
-        os.killpg(serve.pid, signal.SIGINT)
-        serve.wait(timeout=90)
     sections = [f"Profile: `{' '.join(sys.argv)}`; README's environment {readme_env}; {done} streams of 64 tokens at "
                 f"c={args.concurrency} in {args.seconds + 1:g} s (built-in engine)."]
     for name, (raw, _) in spies.items():

@@ -208,9 +208,9 @@ class EngineClient:
 
     async def abort_quietly(self, request_ids: list[str]) -> None:
         """`abort`, for cleanup paths: an engine that is dying or dead drops its requests anyway."""
-        for request_id in request_ids:
-            self._requests.pop(request_id, None)
         if self.state is not EngineState.READY:
+            for request_id in request_ids:
+                self._requests.pop(request_id, None)
             return
         try:
             await self.abort(request_ids)

@@ -16,12 +16,17 @@ def _request(request_id: str) -> EngineCoreRequest:
     return EngineCoreRequest(request_id, [1, 2, 3], None, SamplingParams(max_tokens=4, temperature=0.0), None, 0.0, None, None, None)
 
 
+def _settings(max_model_len: int) -> EngineClientSettings:
+    """An engine client that starts its own built-in engine."""
+    return EngineClientSettings(
+        addresses=EngineAddresses("tcp://127.0.0.1:0"), handshake_timeout_s=120.0, engine_wait_timeout_s=120.0,
+        builtin_engine=BuiltinEngineOptions(model_dir=DEFAULT_MODEL_DIR, max_model_len=max_model_len),
+    )
+
+
 def test_serves_reports_and_refuses_past_its_in_flight_limit():
     async def run():
-        settings = EngineClientSettings(
-            addresses=EngineAddresses("tcp://127.0.0.1:0"), handshake_timeout_s=120.0, engine_wait_timeout_s=120.0,
-            builtin_engine=BuiltinEngineOptions(model_dir=DEFAULT_MODEL_DIR, max_model_len=256),
-        )
+        settings = _settings(max_model_len=256)
         server = EngineClientServer(settings)
         await server.start()
         try:
@@ -51,10 +56,7 @@ def test_serves_reports_and_refuses_past_its_in_flight_limit():
 
 def test_a_prompt_the_engine_guard_refuses_is_an_answer_not_an_exception():
     async def run():
-        settings = EngineClientSettings(
-            addresses=EngineAddresses("tcp://127.0.0.1:0"), handshake_timeout_s=120.0, engine_wait_timeout_s=120.0,
-            builtin_engine=BuiltinEngineOptions(model_dir=DEFAULT_MODEL_DIR, max_model_len=8),
-        )
+        settings = _settings(max_model_len=8)
         server = EngineClientServer(settings)
         await server.start()
         try:
