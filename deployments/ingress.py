@@ -29,7 +29,18 @@ from ray.exceptions import TaskCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from mmserve.openai.errors import OpenAIError, bad_request, internal_error, openai_error
-from mmserve.openai.intake import BodyCaps, BudgetLease, ByteBudget, CountLimits, HeapTrimmer, ShapeChecker, read_body, scan_data_uris
+from mmserve.openai.intake import (
+    PARSE_CHARGE_PER_BYTE,
+    BodyCaps,
+    BudgetLease,
+    ByteBudget,
+    CountLimits,
+    HeapTrimmer,
+    ShapeChecker,
+    default_body_budget,
+    read_body,
+    scan_data_uris,
+)
 from mmserve.openai.metrics import CLIENT_CLOSED, Metrics, RequestRecord, send_request_log_to
 from mmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from mmserve.openai.serving import OpenAIServer
@@ -92,7 +103,13 @@ class Ingress:
         limits = settings.limits
         self.body_caps = BodyCaps.from_settings(settings, images_allowed=self.server.image_family is not None)
         self.heap_trimmer = HeapTrimmer()  # large bodies' memory back to the OS after they are done
-        self.budget = ByteBudget(limits.ingress_body_budget_bytes, limits.small_request_bytes, self.heap_trimmer.request)
+        budget = limits.ingress_body_budget_bytes or default_body_budget(self.body_caps)
+        if budget < default_body_budget(self.body_caps) and self.server.image_family is not None:
+            logger.warning(
+                "limits.ingress_body_budget_bytes=%d is below what the largest request the image caps allow "
+                "needs to be parsed (%d): such requests get 413", budget, default_body_budget(self.body_caps),
+            )
+        self.budget = ByteBudget(budget, limits.small_request_bytes, self.heap_trimmer.request)
         self.shapes = ShapeChecker(CountLimits.from_settings(settings))
         key = settings.api_key or os.environ.get("MMSERVE_API_KEY") or None
         self._api_key = key.encode() if key else None
@@ -111,15 +128,20 @@ class Ingress:
 
     async def _parse(self, request: Request, model: type[BaseModel], chat: bool, lease: BudgetLease) -> Any:
         """Body → request model, each size rule checked before the step it protects (intake.py)."""
-        body = await read_body(request.stream(), request.headers.get("content-length"), self.body_caps, chat, lease)
-        if chat:
-            scan_data_uris(body, self.body_caps)
+        body = await read_body(
+            request.stream(), request.headers.get("content-length"), self.body_caps, chat, lease,
+            self.settings.limits.body_read_timeout_s,
+        )
+        image_chars = sum(span.end - span.start for span in scan_data_uris(body, self.body_caps)) if chat else 0
         self.shapes.check(body, chat)
         try:
-            return model.model_validate_json(body)
+            parsed = model.model_validate_json(body)
         except ValidationError as exc:
             message, param = _validation_message(exc)
             raise bad_request(message, param) from None
+        # The body goes; its image payloads stay until the preprocessor has them.
+        lease.hold(PARSE_CHARGE_PER_BYTE * image_chars, len(body))
+        return parsed
 
     async def _serve(self, request: Request, endpoint: str, model: type[BaseModel], call) -> Any:
         """Authorize, parse, run; record the outcome for metrics and the request's log line."""
@@ -193,6 +215,8 @@ class Ingress:
 
     @api.get("/metrics")
     async def prometheus_metrics(self) -> Response:
+        self.metrics.body_budget_held.set(self.budget.used)
+        self.metrics.body_budget_limit.set(self.budget.limit)
         for index, info in enumerate(await self.router.infos()):
             engine = str(index)
             self.metrics.engine_up.labels(engine).set(1 if info is not None and info.state == "ready" else 0)

@@ -127,11 +127,15 @@ class LimitsConfig(BaseModel):
     # Characters of text in a prompt, checked before templating and tokenization. None: the
     # engine's max_model_len × the longest token's characters (more cannot fit the context).
     max_prompt_chars: int | None = None
-    # Per ingress replica: bytes of large request bodies in flight, counted twice (the body and
-    # its parsed form). Beyond: 503 with Retry-After for new large bodies; bodies up to
-    # small_request_bytes always pass.
-    ingress_body_budget_bytes: int = 256 * 1024 * 1024
+    # Per ingress replica: bytes held for large request bodies (what has arrived while reading,
+    # twice the body while parsing, twice the image payloads until the preprocessor has them).
+    # A body that could never fit: 413; one that does not fit now: 503 with Retry-After. None:
+    # twice the largest body the caps allow, so the largest allowed request fits an idle replica.
+    # Bodies up to small_request_bytes always pass.
+    ingress_body_budget_bytes: int | None = Field(default=None, gt=0)
     small_request_bytes: int = 64 * 1024
+    # The whole body must arrive within this (408 beyond): a 217 MiB maximal body needs ≥1.8 MB/s.
+    body_read_timeout_s: float = Field(default=120.0, gt=0)
     # Engine requests in flight per engine (children of n > 1 count one each); beyond: 429.
     max_in_flight_per_engine: int = 1024
     # HTTP requests waiting for an ingress replica; beyond: 503 from the Serve proxy.

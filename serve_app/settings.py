@@ -32,6 +32,7 @@ def serving_settings(config: AppConfig) -> ServingSettings:
             max_prompt_chars=limits.max_prompt_chars,
             ingress_body_budget_bytes=limits.ingress_body_budget_bytes,
             small_request_bytes=limits.small_request_bytes,
+            body_read_timeout_s=limits.body_read_timeout_s,
         ),
         pixel_mode=config.images.pixel_mode,
         max_images_per_request=config.images.max_images_per_request,

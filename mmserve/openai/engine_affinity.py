@@ -55,8 +55,9 @@ def image_key(url: str) -> bytes:
     return digest.digest()[:16]
 
 
-def affinity_keys(prompt_token_ids: Sequence[int], image_urls: Sequence[str] = ()) -> AffinityKeys:
-    images = tuple(image_key(url) for url in image_urls)
+def affinity_keys(prompt_token_ids: Sequence[int], image_keys: Sequence[bytes] = ()) -> AffinityKeys:
+    """The request's keys: its images' (`image_key` of each URL) and its prompt's prefix blocks."""
+    images = tuple(image_keys)
     blocks: list[int] = []
     chained = 0
     for end in range(PREFIX_BLOCK_TOKENS, len(prompt_token_ids) + 1, PREFIX_BLOCK_TOKENS):

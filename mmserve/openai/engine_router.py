@@ -25,7 +25,7 @@ from mmserve.multimodal.errors import ImageInputError
 from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused
 from mmserve.wire import EngineCoreRequest
 
-from .engine_affinity import AffinityKeys, AffinityTable, affinity_keys, choose_engine
+from .engine_affinity import AffinityKeys, AffinityTable, affinity_keys, choose_engine, image_key
 from .settings import RoutingSettings
 
 logger = logging.getLogger("ray.serve")
@@ -91,13 +91,18 @@ class Preprocessing(Protocol):
 
 class PendingImages:
     """Preprocessing in progress: its response, and the request, to start it again if the
-    replica doing it dies."""
+    replica doing it dies. Once an engine client has the pixels (`delivered()`), the request
+    (its URLs: up to 8 data URIs of 27 MB) is dropped: nothing will need it again."""
 
-    __slots__ = ("request", "response")
+    __slots__ = ("image_keys", "request", "response")
 
     def __init__(self, request: ImageBatchRequest, response: object) -> None:
-        self.request = request
+        self.request: ImageBatchRequest | None = request
         self.response = response
+        self.image_keys = tuple(image_key(url) for url in request.urls)  # routing affinity
+
+    def delivered(self) -> None:
+        self.request = None
 
 
 class EngineRouter:
@@ -214,7 +219,7 @@ class EngineRouter:
         reprocessed = False
         keys = None
         if self._routing.affinity and len(self._engines) > 1:
-            keys = affinity_keys(request.prompt_token_ids or [], images.request.urls if images is not None else ())
+            keys = affinity_keys(request.prompt_token_ids or [], images.image_keys if images is not None else ())
         while True:
             ready = [i for i in await self._wait_for_ready() if i not in tried]
             if not ready:
@@ -246,13 +251,13 @@ class EngineRouter:
                 self._refreshed_at = 0.0
                 if produced:
                     raise EngineDeadError(f"the engine client serving this request failed: {exc}") from None
-                if images is not None and not reprocessed and self._preprocessor is not None:
+                if images is not None and images.request is not None and not reprocessed and self._preprocessor is not None:
                     logger.warning("request %s: retrying after %s", request.request_id, exc)
                     images = PendingImages(images.request, self._preprocessor.process(images.request))
                     reprocessed = True
                     tried.discard(index)
                     retry = exc
-                elif images is not None:
+                elif images is not None and images.request is not None:
                     raise GatewayBusyError(f"image preprocessing failed: {exc}; retry shortly") from None
                 elif len(self._engines) > 1:
                     retry = exc

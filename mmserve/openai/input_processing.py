@@ -31,8 +31,8 @@ from mmserve.text import (
 from mmserve.wire import SamplingParams, StructuredOutputsParams
 
 from . import request_checks
-from .engine_router import EngineLimits
-from .errors import bad_request
+from .engine_router import EngineLimits, PendingImages
+from .errors import OpenAIError, bad_request
 from .intake import text_chars
 from .metrics import RequestRecord
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequestFields
@@ -63,8 +63,8 @@ class PreparedRequest:
     min_tokens: int
     # The engines' limits this request was checked against (from their handshake).
     limits: EngineLimits
-    # Opaque preprocessing response (never resolved in the ingress), or None for text only.
-    images: object | None = None
+    # Preprocessing under way (its response is never resolved in the ingress), None for text only.
+    images: PendingImages | None = None
     # Timings and counts for metrics and the request's log line.
     record: RequestRecord = field(default_factory=lambda: RequestRecord("unknown"))
 
@@ -75,6 +75,13 @@ class PreparedRequest:
         self.record.request_id = self.request_id
         self.record.prompt_tokens = len(self.prompt_token_ids)
         self.record.num_images = num_images
+
+    def images_delivered(self) -> None:
+        """An engine client has the pixels: the image URLs and the body budget they held go."""
+        if self.images is not None:
+            self.images.delivered()
+        if self.record.lease is not None:
+            self.record.lease.release()
 
 
 class InputProcessor:
@@ -97,29 +104,37 @@ class InputProcessor:
 
     # ------------------------------------------------------------------ prompts
 
-    def image_urls(self, request: ChatCompletionRequest) -> list[str]:
+    def take_image_urls(self, request: ChatCompletionRequest) -> list[str]:
         """Image URLs in prompt order, checked for count and scheme (and the messages counted)
-        before any work is started."""
+        before any work is started. They move out of the request (its parts keep their place
+        with an empty URL): a data URI can be 27 MB, and the request lives as long as its
+        generation, while the URLs are needed only until the preprocessor has them."""
         if len(request.messages) > self.limits.max_messages:  # also checked while decoding (intake.py)
             raise bad_request(f"at most {self.limits.max_messages} messages are allowed (limits.max_messages)", "messages")
-        urls = [
-            part.image_url.url
+        parts = [
+            part.image_url
             for message in request.messages
             if isinstance(message.content, list)
             for part in message.content
             if part.type == "image_url"
         ]
-        if not urls:
-            return urls
+        if not parts:
+            return []
         if self.image_family is None:
             raise bad_request(f"the model {self.settings.model_name} does not take image inputs", "messages")
         limit = self.settings.max_images_per_request
-        if len(urls) > limit:
-            raise bad_request(f"{len(urls)} images in one request; at most {limit} are allowed", "messages")
+        if len(parts) > limit:
+            raise OpenAIError(
+                f"{len(parts)} images in one request; at most {limit} are allowed (images.max_images_per_request)",
+                status=413, param="messages", code="too_many_images",
+            )
+        urls = [part.url for part in parts]
         for url in urls:
             scheme = url.split(":", 1)[0].lower() if ":" in url else ""
             if scheme not in IMAGE_URL_SCHEMES:
                 raise bad_request(f"unsupported image URL scheme {scheme or url[:16]!r}", "messages")
+        for part in parts:
+            part.url = ""
         return urls
 
     async def chat_prompt(self, request: ChatCompletionRequest, limits: EngineLimits) -> list[int]:

@@ -3,12 +3,14 @@
 Order, each step cheaper than the one it protects:
 
 1. the declared `Content-Length` against the route's byte cap (413), then against the replica's
-   byte budget (503 with `Retry-After` when large bodies already fill it; small bodies always pass);
-2. the bytes as they stream in: the same cap, and past the text cap an image part must have been
-   seen (a text-only body never needs the image allowance);
+   byte budget: 413 if parsing it could never fit, 503 with `Retry-After` if it does not fit now
+   (small bodies always pass); nothing is held for bytes not yet sent;
+2. the bytes as they stream in, within `limits.body_read_timeout_s` (408): the same cap, the
+   budget for what has arrived, and past the text cap an image part must have been seen (a
+   text-only body never needs the image allowance);
 3. a byte scan for image data URIs (C-speed `find`s): their count, each one's encoded length
-   (before any base64 decoding), and the bytes outside them against the text cap (413), so that
-   the structure pydantic will build stays small whatever the body's size;
+   (before any base64 decoding; 413 for either), and the bytes outside them against the text
+   cap (413), so that the structure pydantic will build stays small whatever the body's size;
 4. a msgspec pass over the body's shape (messages, content parts, stop strings, tools) with the
    configured counts as `max_length` constraints, ≈20× cheaper than the pydantic parse it guards;
 5. only then pydantic (`protocol.py`), which gives the field-by-field 400s.
@@ -74,12 +76,25 @@ def too_large(limit: int, what: str = "request body") -> OpenAIError:
     return OpenAIError(f"{what} exceeds {limit} bytes", status=413, code="request_too_large")
 
 
+# Bytes a body costs the replica while it is parsed: the body itself and what pydantic makes of
+# it (strings of about the same size). Image payloads are charged the same until the preprocessor
+# has them: the strings, and their serialised copy for the Ray call.
+PARSE_CHARGE_PER_BYTE = 2
+
+
+def default_body_budget(caps: BodyCaps) -> int:
+    """The budget that admits the largest body the caps allow (with images) on an idle replica."""
+    largest = BodyCaps(caps.text_bytes, caps.max_images, caps.max_data_uri_chars, images_allowed=True).cap(images=True)
+    return PARSE_CHARGE_PER_BYTE * largest
+
+
 class ByteBudget:
-    """Bytes of request bodies (and their parsed forms) in flight in one ingress replica.
+    """Bytes of request bodies (and their parsed forms) held by one ingress replica.
 
     Bodies up to `small_bytes` always pass: the budget guards against a few large requests
     taking the replica's memory, not against many ordinary ones (Serve's `max_ongoing_requests`
-    bounds those). A large body is admitted only if its bytes fit; otherwise 503 at once.
+    bounds those). A large body that could never fit is refused with 413 naming the limit; one
+    that does not fit now, with 503 and `Retry-After` (waiting helps: other bodies leave).
     Single-threaded (the replica's event loop), so no lock.
     """
 
@@ -88,44 +103,75 @@ class ByteBudget:
         self.small = small_bytes
         self.used = 0
         self.refused = 0
-        self.after_large = after_large  # called when a large body's lease is released
+        self.after_large = after_large  # called when a large body's share is given back
 
     def lease(self) -> "BudgetLease":
         return BudgetLease(self)
 
+    def never_fits(self, body_bytes: int) -> OpenAIError:
+        return OpenAIError(
+            f"a request body of {body_bytes} bytes can never be admitted: parsing it takes "
+            f"{PARSE_CHARGE_PER_BYTE * body_bytes} bytes of the replica's body budget of {self.limit} "
+            "(limits.ingress_body_budget_bytes)",
+            status=413, code="request_too_large",
+        )
+
+    def busy(self) -> OpenAIError:
+        self.refused += 1
+        return OpenAIError(
+            "the server is busy with other large requests; retry shortly",
+            status=503, code="server_busy", retry_after_s=1,
+        )
+
 
 class BudgetLease:
-    """One request's share of the budget; `release()` when the request is over."""
+    """One request's share of the budget: what it holds now, changed as its bytes come and go.
 
-    # Bytes charged per body byte: the body, and what parsing makes of it (strings of the same size).
-    CHARGE_PER_BYTE = 2
+    While the body is read: the bytes received (a slow body holds what it has sent, not what it
+    declared); while it is parsed: twice the body; then twice its image payloads until the
+    preprocessor has them (`release()`), nothing for text. Generation holds nothing.
+    """
 
     def __init__(self, budget: ByteBudget) -> None:
         self.budget = budget
         self.held = 0
+        self.large = False  # a body past the budget's small size: refusable, trimmed after
 
-    def reserve(self, body_bytes: int) -> None:
-        """Hold enough for a body of `body_bytes`, or raise a 503 (keeping what was held)."""
+    def admit(self, body_bytes: int) -> None:
+        """Refuse a body of `body_bytes` now if it could never fit (413) or does not fit now
+        (503); holds nothing."""
         budget = self.budget
-        amount = body_bytes * self.CHARGE_PER_BYTE
-        if amount <= self.held:
+        if body_bytes <= budget.small:
             return
-        if body_bytes > budget.small and budget.used - self.held + amount > budget.limit:
-            budget.refused += 1
-            raise OpenAIError(
-                "the server is busy with other large requests; retry shortly",
-                status=503, code="server_busy", retry_after_s=1,
-            )
+        charge = PARSE_CHARGE_PER_BYTE * body_bytes
+        if charge > budget.limit:
+            raise budget.never_fits(body_bytes)
+        if budget.used - self.held + charge > budget.limit:
+            raise budget.busy()
+
+    def hold(self, amount: int, body_bytes: int) -> None:
+        """Hold `amount` bytes for a body of `body_bytes` (more or fewer than now). Growing past
+        the budget refuses a large body (413 if it never could fit, else 503); shrinking never fails."""
+        budget = self.budget
+        if body_bytes > budget.small:
+            self.large = True
+            if amount > self.held:
+                if PARSE_CHARGE_PER_BYTE * body_bytes > budget.limit:
+                    raise budget.never_fits(body_bytes)
+                if budget.used - self.held + amount > budget.limit:
+                    raise budget.busy()
         budget.used += amount - self.held
         self.held = amount
 
     def release(self) -> None:
+        """Give everything back (idempotent)."""
         budget = self.budget
-        large = self.held > budget.small * self.CHARGE_PER_BYTE
         budget.used -= self.held
         self.held = 0
-        if large and budget.after_large is not None:
-            budget.after_large()
+        if self.large:
+            self.large = False
+            if budget.after_large is not None:
+                budget.after_large()
 
 
 def _glibc_malloc_trim() -> Callable[[], object] | None:
@@ -163,16 +209,33 @@ class HeapTrimmer:
 
 
 async def read_body(
-    chunks: AsyncIterable[bytes], declared: str | None, caps: BodyCaps, images_route: bool, lease: BudgetLease
+    chunks: AsyncIterable[bytes], declared: str | None, caps: BodyCaps, images_route: bool, lease: BudgetLease,
+    timeout_s: float | None = None,
 ) -> bytearray:
-    """The request body, refused as early as its size allows (see the module docstring)."""
+    """The request body, refused as early as its size allows (see the module docstring), and
+    with 408 if it takes longer than `timeout_s` to arrive. On return the lease holds what
+    parsing the body will take."""
     cap = caps.cap(images_route)
     if declared is not None and declared.strip().isdigit():
         length = int(declared)
         if length > cap:
             raise too_large(cap)
-        lease.reserve(length)
+        lease.admit(length)
     body = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            await _read_into(body, chunks, caps, cap, lease)
+    except TimeoutError:
+        raise OpenAIError(
+            f"the request body did not arrive within {timeout_s:g} s (limits.body_read_timeout_s); "
+            f"{len(body)} bytes were received",
+            status=408, code="request_timeout",
+        ) from None
+    lease.hold(PARSE_CHARGE_PER_BYTE * len(body), len(body))
+    return body
+
+
+async def _read_into(body: bytearray, chunks: AsyncIterable[bytes], caps: BodyCaps, cap: int, lease: BudgetLease) -> None:
     image_seen = False
     async for chunk in chunks:
         if not chunk:
@@ -188,8 +251,7 @@ async def read_body(
             )
             if not image_seen:
                 raise too_large(caps.text_bytes, "a request body without images")
-        lease.reserve(len(body))
-    return body
+        lease.hold(len(body), len(body))
 
 
 @dataclass(frozen=True)
@@ -212,15 +274,16 @@ def scan_data_uris(body: bytes | bytearray, caps: BodyCaps) -> list[DataUriSpan]
             continue  # escapes inside: not a plain base64 URI, counted as text
         spans.append(DataUriSpan(start, end))
         if len(spans) > caps.max_images:
-            raise bad_request(
-                f"more than {caps.max_images} images in one request; at most {caps.max_images} are allowed",
-                "messages", "too_many_images",
+            raise OpenAIError(
+                f"more than {caps.max_images} images in one request; at most {caps.max_images} are allowed "
+                "(images.max_images_per_request)",
+                status=413, param="messages", code="too_many_images",
             )
         if end - start > caps.max_data_uri_chars:
-            raise bad_request(
+            raise OpenAIError(
                 f"image {len(spans)}: its data URI has {end - start} characters; images are limited to "
                 f"{caps.max_data_uri_chars} (images.max_image_bytes, base64-encoded)",
-                "messages", "image_too_large",
+                status=413, param="messages", code="image_too_large",
             )
         exempt += end - start
     if len(body) - exempt > caps.text_bytes:

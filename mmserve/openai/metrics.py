@@ -11,8 +11,12 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from .intake import BudgetLease
 
 logger = logging.getLogger("mmserve.requests")
 
@@ -57,8 +61,9 @@ class RequestRecord:
     last_token_at: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
     error: str | None = None
-    # The request's share of the ingress byte budget (intake.BudgetLease), released at the end.
-    lease: object | None = field(default=None, repr=False)
+    # The request's share of the ingress byte budget, given back as its bytes go (at the latest
+    # when the request ends).
+    lease: BudgetLease | None = field(default=None, repr=False)
 
     def log_fields(self) -> dict:
         now = time.monotonic()
@@ -93,6 +98,10 @@ class Metrics:
         self.prompt_tokens = Counter("mmserve_prompt_tokens", "Prompt tokens sent to engines", registry=r)
         self.completion_tokens = Counter("mmserve_completion_tokens", "Tokens generated", registry=r)
         self.in_flight = Gauge("mmserve_ingress_requests_in_flight", "Requests in flight in this ingress replica", registry=r)
+        self.body_budget_held = Gauge(
+            "mmserve_ingress_body_budget_held_bytes", "Bytes of this ingress replica's body budget held by requests", registry=r)
+        self.body_budget_limit = Gauge(
+            "mmserve_ingress_body_budget_limit_bytes", "This ingress replica's body budget (limits.ingress_body_budget_bytes)", registry=r)
         self.engine_up = Gauge("mmserve_engine_ready", "1 if the engine is ready, else 0", ["engine"], registry=r)
         self.engine_in_flight = Gauge("mmserve_engine_requests_in_flight", "Engine requests in flight (queue depth)", ["engine"], registry=r)
         self.engine_bytes = Gauge("mmserve_engine_bytes_sent", "Bytes sent to the engine since its client started", ["engine"], registry=r)

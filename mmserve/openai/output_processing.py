@@ -124,6 +124,7 @@ class OutputProcessor:
                     prepared.prompt_token_ids = accepted.prompt_token_ids
                     prepared.record.prompt_tokens = len(accepted.prompt_token_ids)
                     prepared.record.preprocess_ms = accepted.preprocess_ms
+                    prepared.images_delivered()
                     continue
                 if seq is None:
                     seq = self._sequence_text(prepared)

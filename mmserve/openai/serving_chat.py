@@ -35,18 +35,22 @@ class ChatServing:
         context = self.context
         context.check_model(request.model)
         request_checks.check_chat_request(request)
-        image_urls = context.inputs.image_urls(request)
+        image_urls = context.inputs.take_image_urls(request)
+        num_images = len(image_urls)
         limits = await context.engine_limits()
         prompt_ids = await context.inputs.chat_prompt(request, limits)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        prepared = context.inputs.prepare(request, prompt_ids, max_tokens, "chatcmpl", limits, num_images=len(image_urls))
-        prepared.attach(record, num_images=len(image_urls))
+        prepared = context.inputs.prepare(request, prompt_ids, max_tokens, "chatcmpl", limits, num_images=num_images)
+        prepared.attach(record, num_images=num_images)
         if image_urls:
             prepared.images = context.router.preprocess(
                 ImageBatchRequest(
                     urls=image_urls, pixel_mode=PixelMode(context.settings.pixel_mode), engine_dtype=prepared.limits.dtype
                 )
             )
+        # The router holds the URLs until the preprocessor has them; this frame lives as long
+        # as the response.
+        del image_urls
         if request.stream:
             return await started(self._stream(request, prepared))
         with_ids = bool(request.return_token_ids)

@@ -23,8 +23,10 @@ class ServingLimits:
     max_content_parts: int = 256
     max_tools: int = 128
     max_prompt_chars: int | None = None
-    ingress_body_budget_bytes: int = 256 * 1024 * 1024
+    # None: twice the largest body the caps allow (intake.default_body_budget).
+    ingress_body_budget_bytes: int | None = None
     small_request_bytes: int = 64 * 1024
+    body_read_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)

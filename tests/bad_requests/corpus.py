@@ -132,12 +132,12 @@ def _image_cases() -> list[BadRequest]:
         cases.append(BadRequest(f"image-{name}-stream", "images", CHAT, _image_chat(bad_uris[name], stream=True)))
     too_many = [{"type": "image_url", "image_url": {"url": _data_uri(png)}} for _ in range(9)]
     cases += [
-        BadRequest("image-too-many", "images", CHAT, {"messages": _msgs(too_many), "max_tokens": 8}, "messages"),
+        BadRequest("image-too-many", "images", CHAT, {"messages": _msgs(too_many), "max_tokens": 8}, "messages", (413,)),
         BadRequest("image-too-many-stream", "images", CHAT,
-                   {"messages": _msgs(too_many), "max_tokens": 8, "stream": True}, "messages"),
+                   {"messages": _msgs(too_many), "max_tokens": 8, "stream": True}, "messages", (413,)),
         # Larger than images.max_image_bytes (20 MiB), within the 32 MiB request limit.
         BadRequest("image-oversize-21MiB", "images", CHAT,
-                   _image_chat(_data_uri(png[:33] + b"\x00" * (21 * 1024 * 1024))), statuses=(400, 413)),
+                   _image_chat(_data_uri(png[:33] + b"\x00" * (21 * 1024 * 1024))), "messages", (413,)),
         BadRequest("image-url-missing", "images", CHAT, _image_chat(None) | {"messages": _msgs(
             [{"type": "image_url", "image_url": {}}])}),
         BadRequest("image-url-not-string", "images", CHAT, _image_chat(12345)),

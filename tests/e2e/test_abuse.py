@@ -24,8 +24,9 @@ LIMITS = {
     "max_request_bytes": 256 * KiB,
     "max_messages": 64,
     "max_stop_strings": 4,
-    "ingress_body_budget_bytes": 3 * MiB,  # one 1 MiB image body (charged twice) fits, two do not
+    "ingress_body_budget_bytes": 3 * MiB,  # one 1.3 MB image body (charged twice) fits, two do not
     "small_request_bytes": 16 * KiB,
+    "body_read_timeout_s": 4.0,
 }
 IMAGES = {"max_images_per_request": 2, "max_image_bytes": 1 * MiB}
 
@@ -54,8 +55,8 @@ def _bodies() -> dict[str, tuple[str, bytes, tuple[int, ...]]]:
         "completion-prompt": (COMPLETIONS, {"prompt": big_text}, (413,)),
         "stop-strings": (CHAT, {"messages": [{"role": "user", "content": "hi"}], "stop": ["x" * 100] * 5000}, (413,)),
         "many-messages": (CHAT, {"messages": [{"role": "user", "content": "a"}] * 20_000}, (413,)),
-        "image-data-uri": (CHAT, {"messages": [{"role": "user", "content": [_image_part(oversize_image)]}]}, (400,)),
-        "too-many-images": (CHAT, {"messages": [{"role": "user", "content": [_image_part(_png_uri())] * 3}]}, (400,)),
+        "image-data-uri": (CHAT, {"messages": [{"role": "user", "content": [_image_part(oversize_image)]}]}, (413,)),
+        "too-many-images": (CHAT, {"messages": [{"role": "user", "content": [_image_part(_png_uri())] * 3}]}, (413,)),
         # Below the byte caps, past the counts: refused while decoding.
         "messages-count": (CHAT, {"messages": [{"role": "user", "content": "a"}] * 65}, (400,)),
         "stop-count": (CHAT, {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, (400,)),
@@ -97,24 +98,20 @@ def test_every_limit_refuses_with_an_openai_error(abuse_app):
         _assert_openai_error(resp, "chunked")
 
 
-async def _slow_body(base_url: str, declared: int, hold_s: float) -> int:
-    """Declares a large body and trickles it, holding its share of the byte budget."""
-    async def trickle():
-        yield b'{"messages": [{"role": "user", "content": [' + json.dumps(_image_part("data:image/png;base64,")).encode()[:-3]
-        sent = 0
-        while sent < declared - 200:
-            await asyncio.sleep(hold_s / 10)
-            yield b"A" * 4096
-            sent += 4096
-            if sent > 64 * KiB:
-                return
-    async with httpx.AsyncClient(timeout=hold_s + 30) as client:
-        try:
-            resp = await client.post(base_url + CHAT, content=trickle(),
-                                     headers={"content-type": "application/json", "content-length": str(declared)})
-            return resp.status_code
-        except Exception:  # noqa: BLE001 - it leaves before sending what it declared (h11 says so)
-            return -1
+async def _slow_body(base_url: str, declared: int, sent: int) -> int:
+    """Declares a large image body, sends `sent` bytes of it at once and then nothing: it holds
+    that much of the byte budget until the body read timeout answers it (the status returned)."""
+    prefix = b'{"messages": [{"role": "user", "content": [' + json.dumps(_image_part("data:image/png;base64,")).encode()[:-3]
+    url = httpx.URL(base_url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write((f"POST {url.path.rstrip('/')}{CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {declared}\r\n\r\n").encode() + prefix + b"A" * (sent - len(prefix)))
+    await writer.drain()
+    try:
+        status_line = await asyncio.wait_for(reader.readline(), timeout=LIMITS["body_read_timeout_s"] + 30)
+        return int(status_line.split()[1])
+    finally:
+        writer.close()
 
 
 async def _abuse_with_probe(base_url: str) -> tuple[list[int], list[int], list[tuple[str, int]]]:
@@ -139,8 +136,9 @@ async def _abuse_with_probe(base_url: str) -> tuple[list[int], list[int], list[t
         _image_part("data:image/png;base64," + "A" * (1300 * KiB))]}]}).encode()  # 1.3 MB, > small, valid size
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
         probe_task = asyncio.create_task(probe(client))
-        # Slow bodies hold the budget: 2 × 1.5 MB declared, charged twice = 6 MB > 3 MiB.
-        slow = [asyncio.create_task(_slow_body(base_url, 1_500_000, 3.0)) for _ in range(2)]
+        # A slow body holds what it has sent, 1.5 MB (declaring 1.55 MB, which would fit idle):
+        # beside it, a 1.3 MB body cannot be parsed (charged twice) until it is gone.
+        slow = [asyncio.create_task(_slow_body(base_url, 1_550_000, 1_500_000))]
         await asyncio.sleep(0.5)
         semaphore = asyncio.Semaphore(5)
 
@@ -148,8 +146,8 @@ async def _abuse_with_probe(base_url: str) -> tuple[list[int], list[int], list[t
             async with semaphore:
                 return await abusive(client, *args)
 
-        jobs = [limited(name, route, body) for name, (route, body, _) in _bodies().items() for _ in range(2)]
-        jobs += [limited("budget", CHAT, big_image_body) for _ in range(4)]
+        jobs = [limited("budget", CHAT, big_image_body) for _ in range(4)]  # first: while the slow body holds
+        jobs += [limited(name, route, body) for name, (route, body, _) in _bodies().items() for _ in range(2)]
         results = await asyncio.gather(*jobs)
         slow_statuses = await asyncio.gather(*slow)
         stop.set()
@@ -162,8 +160,10 @@ def test_small_chats_are_served_while_abusive_bodies_are_refused(abuse_app):
     assert probe and all(status == 200 for status in probe), probe
     for name, status in results:
         assert 400 <= status < 600 and status != 500, (name, status)
-    # While the slow bodies held the budget, large bodies were turned away at once with 503.
+    # While the slow body held the budget, large bodies were turned away at once with 503; the
+    # slow body itself got 408 when its read timeout ran out.
     assert ("budget", 503) in results, results
+    assert slow == [408], slow
     # Once the budget is free again a large body is admitted (and refused only for not being an image).
     with httpx.Client(base_url=abuse_app.base_url, timeout=60) as client:
         body = json.dumps({"messages": [{"role": "user", "content": [

@@ -111,8 +111,8 @@ def test_too_many_images(builtin_app):
     parts = [{"type": "image_url", "image_url": {"url": uri}} for _ in range(9)]
     resp = httpx.post(builtin_app.base_url + "/v1/chat/completions",
                       json={"messages": [{"role": "user", "content": parts}]}, timeout=60)
-    assert resp.status_code == 400
-    assert "at most 8" in resp.json()["error"]["message"]
+    assert resp.status_code == 413
+    assert "at most 8" in resp.json()["error"]["message"] and "images.max_images_per_request" in resp.json()["error"]["message"]
     # The engine still serves.
     ok = builtin_app.openai().chat.completions.create(model="mmserve-builtin", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert ok.choices[0].finish_reason in ("stop", "length")

@@ -9,7 +9,7 @@ import pytest
 
 from mmserve.engine import EngineDeadError
 from mmserve.multimodal import ImageBatchRequest, PixelMode
-from mmserve.openai.engine_affinity import PREFIX_BLOCK_TOKENS, AffinityTable, affinity_keys, choose_engine
+from mmserve.openai.engine_affinity import PREFIX_BLOCK_TOKENS, AffinityTable, affinity_keys, choose_engine, image_key
 from mmserve.openai.engine_router import EngineRouter, PendingImages
 from mmserve.openai.settings import RoutingSettings
 from mmserve.protocol import EngineEvent, EngineInfo
@@ -139,7 +139,7 @@ def test_repeated_images_and_prefixes_stay_on_their_first_engine_within_the_load
 
 
 def test_an_affine_engine_past_the_bound_loses_the_request_to_the_least_loaded():
-    keys = affinity_keys([], ["data:a"])
+    keys = affinity_keys([], [image_key("data:a")])
     table = AffinityTable(16)
     table.record(keys, 1)
     affine = table.affine_engines(keys)
@@ -182,15 +182,15 @@ def test_an_engine_that_dies_is_dropped_from_affinity():
     router = _router(engines)
     for k in range(5):
         asyncio.run(_send(router, [1], _images(f"data:{k}")))
-    holders = {router.affinity.engine_of(key) for k in range(5) for key in affinity_keys([], [f"data:{k}"]).images}
+    holders = {router.affinity.engine_of(key) for k in range(5) for key in affinity_keys([], [image_key(f"data:{k}")]).images}
     assert holders == {0, 1}
     engines[0].state = "dead"
     asyncio.run(router.refresh())
-    assert {router.affinity.engine_of(key) for k in range(5) for key in affinity_keys([], [f"data:{k}"]).images} == {None, 1}
+    assert {router.affinity.engine_of(key) for k in range(5) for key in affinity_keys([], [image_key(f"data:{k}")]).images} == {None, 1}
     # Restarted: its caches are empty, so its old images are not routed back to it.
     engines[0].state = "ready"
     asyncio.run(router.refresh())
-    assert all(router.affinity.engine_of(key) != 0 for k in range(5) for key in affinity_keys([], [f"data:{k}"]).images)
+    assert all(router.affinity.engine_of(key) != 0 for k in range(5) for key in affinity_keys([], [image_key(f"data:{k}")]).images)
 
 
 def test_an_engine_failing_a_request_is_dropped_from_affinity_and_the_request_goes_elsewhere():
@@ -202,13 +202,13 @@ def test_an_engine_failing_a_request_is_dropped_from_affinity_and_the_request_go
     asyncio.run(_send(router, [1], _images("data:x", "data:y")))
     survivor = 1 - holder.name
     assert len(engines[survivor].requests) == 1
-    keys = affinity_keys([], ["data:x", "data:y"])
+    keys = affinity_keys([], [image_key("data:x"), image_key("data:y")])
     assert [router.affinity.engine_of(k) for k in keys.images] == [survivor, survivor]
 
 
 def test_a_full_affinity_table_evicts_the_least_recently_used():
     table = AffinityTable(3)
-    a, b, c, d = (affinity_keys([], [f"data:{n}"]) for n in "abcd")
+    a, b, c, d = (affinity_keys([], [image_key(f"data:{n}")]) for n in "abcd")
     table.record(a, 0)
     table.record(b, 1)
     table.record(c, 0)

@@ -14,12 +14,14 @@ from mmserve.openai.settings import ServingSettings
 from serve_app.config import AppConfig
 from serve_app.settings import serving_settings
 from mmserve.openai.intake import (
+    PARSE_CHARGE_PER_BYTE,
     BodyCaps,
     ByteBudget,
     CountLimits,
     HeapTrimmer,
     ShapeChecker,
     base64_chars,
+    default_body_budget,
     read_body,
     scan_data_uris,
 )
@@ -107,11 +109,13 @@ def test_data_uri_scan_refuses_too_many_and_too_long_images_before_decoding():
     three = json.dumps({"messages": [{"role": "user", "content": [part(8), part(8), part(8)]}]}).encode()
     with pytest.raises(OpenAIError) as exc:
         scan_data_uris(three, caps)
-    assert exc.value.code == "too_many_images" and exc.value.param == "messages"
+    assert exc.value.status == 413 and exc.value.code == "too_many_images" and exc.value.param == "messages"
+    assert "images.max_images_per_request" in exc.value.message
     big = json.dumps({"messages": [{"role": "user", "content": [part(caps.max_data_uri_chars + 4)]}]}).encode()
     with pytest.raises(OpenAIError) as exc:
         scan_data_uris(big, caps)
-    assert exc.value.status == 400 and exc.value.code == "image_too_large"
+    assert exc.value.status == 413 and exc.value.code == "image_too_large"
+    assert "images.max_image_bytes" in exc.value.message
 
 
 def test_escaped_strings_are_never_exempt_from_the_text_cap():
@@ -125,29 +129,93 @@ def test_escaped_strings_are_never_exempt_from_the_text_cap():
 def test_budget_refuses_large_bodies_past_it_and_always_admits_small_ones():
     budget = ByteBudget(limit_bytes=10 * MiB, small_bytes=64 * 1024)
     first = budget.lease()
-    first.reserve(4 * MiB)  # charged twice: 8 MiB
+    first.hold(8 * MiB, 4 * MiB)  # a 4 MiB body being parsed
     second = budget.lease()
     with pytest.raises(OpenAIError) as exc:
-        second.reserve(2 * MiB)
+        second.hold(4 * MiB, 2 * MiB)
     assert exc.value.status == 503 and exc.value.retry_after_s and exc.value.code == "server_busy"
+    with pytest.raises(OpenAIError) as exc:
+        second.admit(2 * MiB)  # the same answer from its declared length, holding nothing
+    assert exc.value.status == 503 and second.held == 0
     small = budget.lease()
-    small.reserve(32 * 1024)  # passes although the budget is full
+    small.hold(64 * 1024, 32 * 1024)  # passes although the budget is full
     first.release()
-    second.reserve(2 * MiB)
+    second.admit(2 * MiB)
+    second.hold(4 * MiB, 2 * MiB)
     small.release(), second.release()
-    assert budget.used == 0 and budget.refused == 1
+    assert budget.used == 0 and budget.refused == 2
+
+
+def test_a_body_that_could_never_fit_is_a_413_naming_the_budget_not_a_503():
+    budget = ByteBudget(limit_bytes=10 * MiB, small_bytes=64 * 1024)
+    for refuse in (lambda lease: lease.admit(6 * MiB), lambda lease: lease.hold(6 * MiB, 6 * MiB)):
+        lease = budget.lease()
+        with pytest.raises(OpenAIError) as exc:
+            refuse(lease)  # parsing 6 MiB takes 12 MiB: no amount of waiting helps
+        assert exc.value.status == 413 and exc.value.retry_after_s is None
+        assert "limits.ingress_body_budget_bytes" in exc.value.message
+    assert budget.used == 0 and budget.refused == 0
+
+
+def test_the_default_budget_parses_the_largest_body_the_default_caps_allow():
+    caps = BodyCaps.from_settings(serving_settings(AppConfig()), images_allowed=True)
+    budget = ByteBudget(default_body_budget(caps), serving_settings(AppConfig()).limits.small_request_bytes)
+    largest = caps.cap(images=True)
+    assert largest > 8 * base64_chars(20 * MiB)  # README's promise: 8 images of 20 MiB
+    lease = budget.lease()
+    lease.admit(largest)
+    lease.hold(PARSE_CHARGE_PER_BYTE * largest, largest)
+    assert budget.used == budget.limit
+
+
+def test_a_slow_body_holds_only_what_it_has_sent():
+    budget = ByteBudget(limit_bytes=10 * MiB, small_bytes=1024)
+    caps = BodyCaps.from_settings(_config(max_request_bytes=8 * MiB), True)
+    sent = asyncio.Event()
+    seen = []
+
+    async def trickle():
+        yield b"x" * 100_000
+        sent.set()
+        await asyncio.sleep(3600)
+        yield b"never"
+
+    async def scenario():
+        lease = budget.lease()
+        reader = asyncio.create_task(read_body(trickle(), str(4 * MiB), caps, True, lease, timeout_s=0.3))
+        await sent.wait()
+        await asyncio.sleep(0)
+        seen.append(budget.used)
+        with pytest.raises(OpenAIError) as exc:
+            await reader
+        lease.release()
+        return exc.value
+
+    error = asyncio.run(scenario())
+    assert seen == [100_000]  # not the 4 MiB it declared
+    assert error.status == 408 and error.code == "request_timeout" and "limits.body_read_timeout_s" in error.message
+    assert budget.used == 0
+
+
+def test_a_read_body_holds_what_parsing_it_takes():
+    budget = ByteBudget(limit_bytes=100 * MiB, small_bytes=1024)
+    caps = BodyCaps.from_settings(_config(max_request_bytes=MiB), True)
+    body, lease = _read(b"y" * 300_000, caps, images_route=False, budget=budget)
+    assert lease.held == PARSE_CHARGE_PER_BYTE * len(body) == budget.used
 
 
 def test_releasing_a_large_body_asks_for_a_heap_trim_and_small_ones_do_not():
     asked = []
     budget = ByteBudget(limit_bytes=10 * MiB, small_bytes=64 * 1024, after_large=lambda: asked.append(1))
     small = budget.lease()
-    small.reserve(32 * 1024)
+    small.hold(64 * 1024, 32 * 1024)
     small.release()
     assert asked == []
     large = budget.lease()
-    large.reserve(1 * MiB)
+    large.hold(2 * MiB, 1 * MiB)
+    large.hold(0, 1 * MiB)  # parsed: nothing held, still a large body for the trim
     large.release()
+    large.release()  # idempotent
     assert asked == [1] and budget.used == 0
 
 
@@ -194,11 +262,19 @@ def test_the_default_trim_gives_freed_heap_memory_back_to_the_os():
 
 
 def test_declared_length_is_admitted_by_the_budget_before_the_body_is_read():
-    budget = ByteBudget(limit_bytes=1 * MiB, small_bytes=1024)
+    budget = ByteBudget(limit_bytes=2 * MiB, small_bytes=1024)
+    other = budget.lease()
+    other.hold(MiB, MiB)
     caps = BodyCaps.from_settings(_config(max_request_bytes=4 * MiB), True)
+    read = []
+
+    async def chunks():
+        read.append(1)
+        yield b"x"
+
     with pytest.raises(OpenAIError) as exc:
-        _read(b"x" * 700_000, caps, budget=budget)
-    assert exc.value.status == 503 and budget.used == 0
+        asyncio.run(read_body(chunks(), str(700_000), caps, True, budget.lease()))
+    assert exc.value.status == 503 and budget.used == MiB and read == []
 
 
 def _checker(**kw) -> ShapeChecker:
