@@ -136,6 +136,7 @@ class ImagePreprocessor:
                     self.cache.put(keys[index], found[index])  # type: ignore[union-attr]
         finally:
             self.budget.release(demand)
+        # A repeat within the request is its first occurrence's image.
         return [found[index] if index in found else found[first[keys[index]]] for index in range(len(payloads))]
 
     def _admit(self, headers: dict[int, ImageHeader]) -> int:

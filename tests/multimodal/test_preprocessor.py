@@ -27,7 +27,9 @@ def _uri(width: int, height: int, seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _preprocessor(cache_bytes: int = 64 * 1024 * 1024, max_images: int = 4, max_pixels_in_flight: int = 10**8) -> ImagePreprocessor:
+def _preprocessor(
+    cache_bytes: int = 64 * 1024 * 1024, max_images: int = 4, max_pixels_in_flight: int = 10**8
+) -> ImagePreprocessor:
     family = load_image_family(BUILTIN_MODEL_DIR)
     limits = PreprocessorLimits(max_images_per_request=max_images, max_pixels_in_flight=max_pixels_in_flight)
     return ImagePreprocessor(family, FetchPolicy(), limits, cache_bytes)
