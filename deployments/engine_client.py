@@ -36,6 +36,8 @@ from mmserve.wire import EngineCoreRequest
 from .caller_watch import CallerWatch
 
 logger = logging.getLogger("ray.serve")
+# The preprocessor's `ImagesRefused.kind` → the `RequestRefused.kind` the ingress maps to HTTP.
+_IMAGE_REFUSALS = {"invalid": "image", "too_large": "image_too_large", "busy": "busy"}
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,8 @@ class EngineClientServer:
         if self.client.num_in_flight >= limit:
             return Admission(refused=RequestRefused("overloaded", f"the engine has {limit} requests in flight; retry shortly"))
         if isinstance(images, ImagesRefused):
-            return Admission(refused=RequestRefused("image", images.message, "messages"))
+            kind = _IMAGE_REFUSALS[images.kind]
+            return Admission(refused=RequestRefused(kind, images.message, "messages", images.retry_after_s))
         accepted = None
         try:
             if images is not None:

@@ -16,7 +16,7 @@ from ray import serve
 
 from mmserve.fetch import FetchPolicy
 from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages, load_image_family
-from mmserve.multimodal.errors import ImageInputError
+from mmserve.multimodal.errors import ImageInputError, PreprocessorBusyError, images_refused
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
 from mmserve.vision import resize_path
 
@@ -84,9 +84,9 @@ class PreprocessorDeployment:
         )
 
     async def process(self, request: ImageBatchRequest) -> ProcessedImages | ImagesRefused:
-        """A refused image is an answer, not a failure: one INFO line here, a 400 for the client."""
+        """A refusal is an answer, not a failure: one INFO line here, a 400, 413 or 503 for the client."""
         try:
             return await self.preprocessor.process(request)
-        except ImageInputError as exc:
+        except (ImageInputError, PreprocessorBusyError) as exc:
             logger.info("image refused: %s", str(exc)[:300])
-            return ImagesRefused(str(exc), exc.index)
+            return images_refused(exc)

@@ -26,14 +26,17 @@ class PromptAccepted(msgspec.Struct, frozen=True):
 
 
 class RequestRefused(msgspec.Struct, frozen=True):
-    """The request was refused for the client's reasons: a bad image ("image"), a prompt the
-    engine guard refuses ("invalid"), the engine full ("overloaded"). Returned in the `Admission`
-    instead of raised: Serve logs every exception a replica method raises as an ERROR with a
-    traceback, which a client must not be able to cause at will."""
+    """The request was refused for the client's reasons: a bad image ("image"), images needing
+    more pixels decoded at once than a preprocessor replica holds ("image_too_large"), a prompt the
+    engine guard refuses ("invalid"), the engine full ("overloaded"), a preprocessor replica busy
+    with other images ("busy", retry after `retry_after_s`). Returned in the `Admission` instead of
+    raised: Serve logs every exception a replica method raises as an ERROR with a traceback, which
+    a client must not be able to cause at will."""
 
     kind: str
     message: str
     param: str | None = None
+    retry_after_s: int | None = None
 
 
 class Admission(msgspec.Struct, frozen=True, omit_defaults=True):

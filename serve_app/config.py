@@ -155,6 +155,11 @@ class ImagesConfig(BaseModel):
     max_image_bytes: int = 20 * 1024 * 1024
     # Checked from the image header, before any decoding (decompression bombs).
     max_image_pixels: int = 50_000_000
+    # Per preprocessor replica: pixels being decoded at once, a request counting its largest
+    # image (one is decoded at a time), admitted from the headers before decoding. Beyond: 503
+    # with Retry-After; a request whose largest image alone is over it: 413. Decoding and
+    # resizing hold 10–17 bytes per pixel. None: 2 × max_image_pixels, two of the largest images.
+    max_pixels_in_flight: int | None = Field(default=None, ge=1)
     fetch_timeout_s: float = 10.0
     max_redirects: int = 3
     # URL fetching refuses loopback/private/link-local targets unless allowed here.
@@ -164,6 +169,11 @@ class ImagesConfig(BaseModel):
     allowed_local_dir: str | None = None
     # Per preprocessor replica: processed images kept for repeats (by encoded bytes); 0 = off.
     cache_bytes: int = 256 * 1024 * 1024
+
+    @property
+    def pixels_in_flight(self) -> int:
+        """`max_pixels_in_flight`, its default resolved: an idle replica always admits the largest image."""
+        return self.max_pixels_in_flight if self.max_pixels_in_flight is not None else 2 * self.max_image_pixels
 
 
 class RoutingConfig(BaseModel):

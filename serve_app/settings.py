@@ -107,6 +107,7 @@ def preprocessor_settings(config: AppConfig) -> PreprocessorSettings:
         limits=PreprocessorLimits(
             max_images_per_request=images.max_images_per_request,
             image=ImageLimits(max_bytes=images.max_image_bytes, max_pixels=images.max_image_pixels),
+            max_pixels_in_flight=images.pixels_in_flight,
         ),
         cache_bytes=images.cache_bytes,
         pixel_mode=images.pixel_mode,

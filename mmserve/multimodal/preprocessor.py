@@ -1,10 +1,10 @@
-"""The preprocessing tier's work for one request: fetch → header checks → decode → family pixels.
+"""The preprocessing tier's work for one request: fetch → header checks → pixel budget → decode → family pixels.
 
 CPU-heavy (decode, resize, patchify), so it runs in its own autoscaled deployment; fetches run
 concurrently, pixel work runs in a worker thread (numpy and Pillow release the GIL) so the
 replica keeps accepting requests. Every limit is checked before the step it protects: the
-image count before any fetch, the byte size while fetching, the pixel count from the header
-before decoding.
+image count before any fetch, the byte size while fetching, the pixel count from every header
+before any decoding, and then the replica's pixel budget (`pixel_budget.py`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..vision import ImageError, ImageLimits, PixelDtype, decode_image, read_header
+from ..vision import ImageError, ImageHeader, ImageLimits, PixelDtype, decode_image, read_header
 from ..fetch import FetchError, FetchPolicy, fetch_image_bytes
-from .errors import ImageInputError
+from .errors import ImageInputError, ImagesTooLargeError, PreprocessorBusyError
 from .families import ImageFamily, pixel_dtype_for
+from .pixel_budget import BUSY_RETRY_AFTER_S, PixelBudget
 from .types import ImageBatchRequest, PixelMode, ProcessedImage, ProcessedImages
 
 
@@ -27,6 +28,8 @@ from .types import ImageBatchRequest, PixelMode, ProcessedImage, ProcessedImages
 class PreprocessorLimits:
     max_images_per_request: int = 8
     image: ImageLimits = ImageLimits()
+    # Pixels decoded at once per replica (`PixelBudget`): by default two of the largest images.
+    max_pixels_in_flight: int = 2 * ImageLimits().max_pixels
 
 
 class ProcessedImageCache:
@@ -80,6 +83,7 @@ class ImagePreprocessor:
         self.fetch_policy = fetch_policy
         self.limits = limits
         self.cache = ProcessedImageCache(cache_bytes) if cache_bytes > 0 else None
+        self.budget = PixelBudget(limits.max_pixels_in_flight)
 
     async def process(self, request: ImageBatchRequest) -> ProcessedImages:
         started = time.perf_counter()
@@ -105,23 +109,64 @@ class ImagePreprocessor:
         except (FetchError, ImageError) as exc:
             raise ImageInputError(str(exc), index=index) from None
 
-    def _process_all(self, payloads: list[bytes], dtype) -> list[ProcessedImage]:
-        out = []
-        for index, data in enumerate(payloads):
-            key = self.cache.key(data, dtype) if self.cache is not None else None
-            cached = self.cache.get(key) if key is not None else None
-            if cached is not None:
-                out.append(cached)
-                continue
+    def _process_all(self, payloads: list[bytes], dtype: PixelDtype) -> list[ProcessedImage]:
+        """Cache lookups and every header first, then admission by pixels, then decoding."""
+        keys = [self.cache.key(data, dtype) if self.cache is not None else None for data in payloads]
+        found: dict[int, ProcessedImage] = {}
+        headers: dict[int, ImageHeader] = {}  # the images to decode, by index
+        first: dict[object, int] = {}  # a repeat within the request is decoded once, at its first index
+        for index, (data, key) in enumerate(zip(payloads, keys)):
+            if key is not None:
+                if key in first:
+                    continue
+                first[key] = index
+                cached = self.cache.get(key)  # type: ignore[union-attr]
+                if cached is not None:
+                    found[index] = cached  # held from here: an eviction cannot make it a decode
+                    continue
             try:
-                read_header(data, self.limits.image)  # pixel count from the header, before decoding
-                image = decode_image(data, self.limits.image)
-                processed = self.family.process(image, dtype)
+                headers[index] = read_header(data, self.limits.image)
             except ImageError as exc:
                 raise ImageInputError(str(exc), index=index) from None
-            except ValueError as exc:  # e.g. an aspect ratio the family cannot resize
-                raise ImageInputError(f"cannot process this image: {exc}", index=index) from None
-            if key is not None:
-                self.cache.put(key, processed)
-            out.append(processed)
-        return out
+        demand = self._admit(headers)
+        try:
+            for index in headers:
+                found[index] = self._process_one(payloads[index], dtype, index)
+                if keys[index] is not None:
+                    self.cache.put(keys[index], found[index])  # type: ignore[union-attr]
+        finally:
+            self.budget.release(demand)
+        # A repeat within the request is its first occurrence's image.
+        return [found[index] if index in found else found[first[keys[index]]] for index in range(len(payloads))]
+
+    def _admit(self, headers: dict[int, ImageHeader]) -> int:
+        """Take the request's pixels from the budget, or refuse it (413 never fits, 503 not now).
+
+        Images are decoded one after another, so the demand is the largest one's pixels.
+        """
+        pixels = {index: header.width * header.height for index, header in headers.items()}
+        largest = max(pixels, key=pixels.__getitem__, default=None)
+        demand = 0 if largest is None else pixels[largest]
+        if not self.budget.fits_alone(demand):
+            header = headers[largest]  # type: ignore[index]
+            raise ImagesTooLargeError(
+                f"{header.width}x{header.height} = {demand} pixels, more than this server decodes at once "
+                f"({self.budget.limit} pixels per preprocessor replica, images.max_pixels_in_flight)",
+                index=largest,
+            )
+        if not self.budget.try_acquire(demand):
+            raise PreprocessorBusyError(
+                f"the image preprocessor is decoding other requests' images; {demand} more pixels do not fit "
+                f"beside them (images.max_pixels_in_flight = {self.budget.limit}); retry shortly",
+                retry_after_s=BUSY_RETRY_AFTER_S,
+            )
+        return demand
+
+    def _process_one(self, data: bytes, dtype: PixelDtype, index: int) -> ProcessedImage:
+        """One image's decode and pixels; its decoded image dies on return, before the next is decoded."""
+        try:
+            return self.family.process(decode_image(data, self.limits.image), dtype)
+        except ImageError as exc:
+            raise ImageInputError(str(exc), index=index) from None
+        except ValueError as exc:  # e.g. an aspect ratio the family cannot resize
+            raise ImageInputError(f"cannot process this image: {exc}", index=index) from None

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from mmserve.multimodal import ImageBatchRequest
-from mmserve.multimodal.errors import ImageInputError
+from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
 from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused
 from mmserve.wire import EngineCoreRequest
 
@@ -278,6 +278,10 @@ def refusal_error(refusal: RequestRefused) -> Exception:
     """The typed error a refusal stands for (see `RequestRefused`)."""
     if refusal.kind == "image":
         return ImageInputError(refusal.message)  # the message already names the image
+    if refusal.kind == "image_too_large":
+        return ImagesTooLargeError(refusal.message)
+    if refusal.kind == "busy":
+        return GatewayBusyError(refusal.message, retry_after_s=refusal.retry_after_s or 1)
     if refusal.kind == "overloaded":
         return EngineOverloadedError(refusal.message)
     return InvalidRequestError(refusal.message, refusal.param)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
-from mmserve.multimodal.errors import ImageInputError
+from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
 from mmserve.protocol import GatewayBusyError
 
 from .engine_router import NoEngineAliveError
@@ -72,6 +72,8 @@ ERROR_TABLE: list[tuple[type[BaseException], Callable[[BaseException], OpenAIErr
     (OpenAIError, lambda e: e),  # type: ignore[list-item, return-value]
     # The client's mistakes.
     (InvalidRequestError, lambda e: bad_request(str(e), e.param, e.code)),  # type: ignore[attr-defined]
+    # Images needing more pixels decoded at once than a preprocessor replica ever holds.
+    (ImagesTooLargeError, lambda e: OpenAIError(str(e), status=413, param="messages", code="request_too_large")),
     (ImageInputError, lambda e: bad_request(str(e), "messages", "invalid_image")),
     # Full: one engine (429, that engine's Retry-After), or a tier between (503).
     (EngineOverloadedError, lambda e: OpenAIError(str(e), status=429, retry_after_s=e.retry_after_s)),  # type: ignore[attr-defined]

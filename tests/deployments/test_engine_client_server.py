@@ -9,6 +9,7 @@ from deployments.engine_client import BuiltinEngineOptions, EngineClientServer, 
 from mmserve.builtin_engine.settings import DEFAULT_MODEL_DIR
 from mmserve.engine import EngineAddresses
 from mmserve.engine.outputs import CallerChannel
+from mmserve.multimodal import ImagesRefused
 from mmserve.wire import EngineCoreRequest, SamplingParams
 
 
@@ -68,3 +69,25 @@ def test_a_prompt_the_engine_guard_refuses_is_an_answer_not_an_exception():
     admission, in_flight = asyncio.run(run())
     assert admission.refused is not None and admission.refused.kind == "invalid"
     assert in_flight == 0
+
+
+def test_image_refusals_keep_their_kind_and_retry_after():
+    refusals = [
+        ImagesRefused("image 2: not an image", 1),
+        ImagesRefused("image 1: too many pixels", 0, kind="too_large"),
+        ImagesRefused("busy decoding other images", kind="busy", retry_after_s=1),
+    ]
+
+    async def run():
+        server = EngineClientServer(_settings(max_model_len=64))
+        await server.start()
+        try:
+            return [await server.add(_request(f"i{i}"), images, CallerChannel()) for i, images in enumerate(refusals)]
+        finally:
+            await server.shutdown()
+
+    refused = [admission.refused for admission in asyncio.run(run())]
+    assert [(r.kind, r.param, r.retry_after_s) for r in refused] == [
+        ("image", "messages", None), ("image_too_large", "messages", None), ("busy", "messages", 1),
+    ]
+    assert [r.message for r in refused] == [images.message for images in refusals]

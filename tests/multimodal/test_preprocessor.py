@@ -1,20 +1,24 @@
-"""The preprocessor: limits before work, typed errors, and the processed-image cache."""
+"""The preprocessor: limits before work, typed errors, the pixel budget, and the processed-image cache."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import math
+import threading
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from mmserve.multimodal import ImageBatchRequest, PixelMode, load_image_family
-from mmserve.multimodal.errors import ImageInputError
+from mmserve.multimodal import preprocessor as preprocessor_module
+from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError, PreprocessorBusyError, images_refused
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
 from mmserve.fetch import FetchPolicy
-from serve_app.config import BUILTIN_MODEL_DIR
+from serve_app.config import BUILTIN_MODEL_DIR, AppConfig
+from serve_app.settings import preprocessor_settings
 
 
 def _uri(width: int, height: int, seed: int) -> str:
@@ -23,13 +27,52 @@ def _uri(width: int, height: int, seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _preprocessor(cache_bytes: int = 64 * 1024 * 1024, max_images: int = 4) -> ImagePreprocessor:
+def _preprocessor(
+    cache_bytes: int = 64 * 1024 * 1024, max_images: int = 4, max_pixels_in_flight: int = 10**8
+) -> ImagePreprocessor:
     family = load_image_family(BUILTIN_MODEL_DIR)
-    return ImagePreprocessor(family, FetchPolicy(), PreprocessorLimits(max_images_per_request=max_images), cache_bytes)
+    limits = PreprocessorLimits(max_images_per_request=max_images, max_pixels_in_flight=max_pixels_in_flight)
+    return ImagePreprocessor(family, FetchPolicy(), limits, cache_bytes)
+
+
+def _request(urls: list[str], mode: PixelMode = PixelMode.DEVICE_NORMALIZE) -> ImageBatchRequest:
+    return ImageBatchRequest(urls=urls, pixel_mode=mode, engine_dtype="bfloat16")
 
 
 def _run(pre: ImagePreprocessor, urls: list[str], mode: PixelMode = PixelMode.DEVICE_NORMALIZE):
-    return asyncio.run(pre.process(ImageBatchRequest(urls=urls, pixel_mode=mode, engine_dtype="bfloat16")))
+    return asyncio.run(pre.process(_request(urls, mode)))
+
+
+class Decodes:
+    """The preprocessor's `decode_image`, counted; the first call after `hold()` waits for `let_go()`."""
+
+    def __init__(self, decode, fake_image=None) -> None:
+        self.decode, self.fake_image = decode, fake_image
+        self.count = 0
+        self.entered = threading.Event()  # the held call has started
+        self._gate = threading.Event()
+        self._held = False
+
+    def hold(self) -> None:
+        self._held = True
+
+    def let_go(self) -> None:
+        self._gate.set()
+
+    def __call__(self, data, limits):
+        self.count += 1
+        held, self._held = self._held, False
+        if held:
+            self.entered.set()
+            assert self._gate.wait(10)
+        return self.fake_image if self.fake_image is not None else self.decode(data, limits)
+
+
+@pytest.fixture
+def decodes(monkeypatch) -> Decodes:
+    counter = Decodes(preprocessor_module.decode_image)
+    monkeypatch.setattr(preprocessor_module, "decode_image", counter)
+    return counter
 
 
 def test_repeated_images_come_from_the_cache_unchanged():
@@ -63,3 +106,68 @@ def test_bad_image_names_its_position():
     pre = _preprocessor()
     with pytest.raises(ImageInputError, match="^image 2: "):
         _run(pre, [_uri(56, 56, 0), "data:image/png;base64," + base64.b64encode(b"not an image").decode()])
+
+
+def test_a_request_over_the_budget_alone_is_a_413_and_nothing_is_decoded(decodes):
+    pre = _preprocessor(max_pixels_in_flight=100_000)
+    with pytest.raises(ImagesTooLargeError, match=r"^image 2: 400x300 = 120000 pixels.*images.max_pixels_in_flight") as refused:
+        _run(pre, [_uri(100, 80, 0), _uri(400, 300, 1)])
+    assert decodes.count == 0 and pre.budget.in_use == 0
+    assert images_refused(refused.value).kind == "too_large"
+
+
+def test_requests_that_do_not_fit_together_get_a_503_at_once_and_fit_later(decodes):
+    pre = _preprocessor(max_pixels_in_flight=100_000)
+    first, second, small = _uri(300, 200, 0), _uri(200, 300, 1), _uri(100, 80, 2)
+    _run(pre, [small])  # cached from here on
+
+    async def scenario():
+        decodes.hold()
+        running = asyncio.create_task(pre.process(_request([first])))  # 60 000 pixels, held in decode
+        assert await asyncio.to_thread(decodes.entered.wait, 10)
+        with pytest.raises(PreprocessorBusyError) as busy:
+            await pre.process(_request([second]))  # 60 000 more do not fit in 100 000
+        decoded_while_busy = decodes.count
+        cached = await pre.process(_request([small]))  # cached: no pixels to decode, admitted
+        decodes.let_go()
+        await running
+        return busy.value, decoded_while_busy, cached, await pre.process(_request([second]))
+
+    busy, decoded_while_busy, cached, later = asyncio.run(scenario())
+    assert decoded_while_busy == 2  # `small` once, `first`: never `second` while busy
+    assert busy.retry_after_s == 1
+    refusal = images_refused(busy)
+    assert (refusal.kind, refusal.retry_after_s) == ("busy", 1)
+    assert len(cached.images) == 1 and len(later.images) == 1
+    assert pre.budget.in_use == 0 and pre.budget.refused == 1 and pre.budget.peak == 60_000
+
+
+def test_the_default_settings_admit_the_largest_request_they_allow(monkeypatch):
+    """8 images of images.max_image_pixels each, on an idle replica with every setting at its default."""
+    settings = preprocessor_settings(AppConfig())
+    limits = settings.limits
+    side = math.isqrt(limits.image.max_pixels)
+    buf = io.BytesIO()
+    Image.new("1", (side, side)).save(buf, "PNG")  # a 1-bit image: a few kB whatever its size
+    # Distinct payloads (bytes after IEND are ignored), so that no image is a repeat of another.
+    images = [buf.getvalue() + bytes([i]) for i in range(limits.max_images_per_request)]
+    # Decoding 8 × 50 MP for real would take seconds and gigabytes: the decode hands out a small image.
+    decodes = Decodes(None, fake_image=Image.new("RGB", (56, 56)))
+    monkeypatch.setattr(preprocessor_module, "decode_image", decodes)
+    family = load_image_family(BUILTIN_MODEL_DIR)
+    pre = ImagePreprocessor(family, settings.fetch, limits, settings.cache_bytes)
+    out = _run(pre, ["data:image/png;base64," + base64.b64encode(data).decode() for data in images])
+    assert len(out.images) == limits.max_images_per_request and decodes.count == limits.max_images_per_request
+    assert pre.budget.peak == side * side and pre.budget.in_use == 0
+
+
+def test_the_budget_is_given_back_after_success_and_after_a_failing_image(decodes):
+    pre = _preprocessor(max_pixels_in_flight=100_000)
+    _run(pre, [_uri(300, 200, 0), _uri(100, 80, 1)])
+    assert pre.budget.peak == 60_000 and pre.budget.in_use == 0
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(2).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    truncated = "data:image/png;base64," + base64.b64encode(buf.getvalue()[: len(buf.getvalue()) // 2]).decode()
+    with pytest.raises(ImageInputError, match="^image 2: cannot decode"):  # its header is fine: it fails decoding
+        _run(pre, [_uri(120, 100, 3), truncated])
+    assert pre.budget.in_use == 0 and decodes.count == 4

@@ -8,8 +8,9 @@ import pytest
 
 from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from mmserve.multimodal import ImageBatchRequest, PixelMode
-from mmserve.multimodal.errors import ImageInputError
-from mmserve.openai.engine_router import EngineRouter, NoEngineAliveError, PendingImages, ReplicaLostError
+from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
+from mmserve.openai.engine_router import EngineRouter, NoEngineAliveError, PendingImages, ReplicaLostError, refusal_error
+from mmserve.openai.errors import openai_error
 from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
 
@@ -123,6 +124,8 @@ def test_a_lost_preprocessor_replica_gets_the_images_once_more():
     ("refusal", "error"),
     [
         (RequestRefused("image", "image 1: not an image", "messages"), ImageInputError),
+        (RequestRefused("image_too_large", "image 1: too many pixels", "messages"), ImagesTooLargeError),
+        (RequestRefused("busy", "decoding other images", "messages", retry_after_s=1), GatewayBusyError),
         (RequestRefused("overloaded", "full"), EngineOverloadedError),
         (RequestRefused("invalid", "too long", "max_tokens"), InvalidRequestError),
     ],
@@ -132,6 +135,19 @@ def test_refusals_become_typed_errors_and_are_not_retried(refusal, error):
     with pytest.raises(error):
         _collect(_router([first, second]))
     assert len(first.calls) + len(second.calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("refusal", "status", "retry_after"),
+    [
+        (RequestRefused("image", "image 1: not an image", "messages"), 400, None),
+        (RequestRefused("image_too_large", "image 1: too many pixels", "messages"), 413, None),
+        (RequestRefused("busy", "decoding other images", "messages", retry_after_s=2), 503, 2),
+    ],
+)
+def test_image_refusals_reach_the_client_with_their_status(refusal, status, retry_after):
+    mapped = openai_error(refusal_error(refusal))
+    assert (mapped.status, mapped.retry_after_s, mapped.message) == (status, retry_after, refusal.message)
 
 
 def test_the_least_loaded_ready_engine_wins():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError, fit_max_tokens
-from mmserve.multimodal.errors import ImageInputError
+from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
 from mmserve.openai.engine_router import NoEngineAliveError
 from mmserve.openai.errors import ERROR_TABLE, OpenAIError, internal_error, openai_error
 from mmserve.protocol import GatewayBusyError
@@ -16,6 +16,8 @@ from mmserve.protocol import GatewayBusyError
     [
         (InvalidRequestError("bad prompt", "messages"), 400, "invalid_request_error", "messages", None, None, "bad prompt"),
         (ImageInputError("not an image", index=1), 400, "invalid_request_error", "messages", "invalid_image", None, "image 2: not an image"),
+        (ImagesTooLargeError("too many pixels", index=0), 413, "invalid_request_error", "messages", "request_too_large", None,
+         "image 1: too many pixels"),
         (EngineOverloadedError("full", retry_after_s=3), 429, "rate_limit_error", None, None, 3, "full"),
         (GatewayBusyError("queue full"), 503, "service_unavailable_error", None, None, 1, "queue full"),
         (EngineNotReadyError("starting"), 503, "service_unavailable_error", None, None, 5, "no engine is ready: starting"),

@@ -37,6 +37,9 @@ def test_preprocessor_settings_and_options():
                                        "preprocessor": {"max_replicas": 2, "look_back_period_s": 4.0}})
     settings = preprocessor_settings(config)
     assert settings.fetch.allowed_hosts == ("a.example",) and settings.limits.image.max_pixels == 100 and settings.cache_bytes == 0
+    assert settings.limits.max_pixels_in_flight == 200  # by default two of the largest images
+    explicit = AppConfig.model_validate({"images": '{"max_pixels_in_flight": 30000000}'})  # as from the CLI
+    assert preprocessor_settings(explicit).limits.max_pixels_in_flight == 30_000_000
     assert isinstance(settings.model_dir, Path)
     options = preprocessor_scaling(config).options()
     assert options["autoscaling_config"]["max_replicas"] == 2 and options["autoscaling_config"]["metrics_interval_s"] == 1.0
