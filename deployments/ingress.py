@@ -47,6 +47,7 @@ from mmserve.openai.serving import OpenAIServer
 from mmserve.openai.settings import ServingSettings
 from mmserve.openai.sse import ErrorEvent
 
+from .replica_logs import log_package_to_replica
 from .router import engine_router
 
 logger = logging.getLogger("ray.serve")
@@ -70,7 +71,12 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 
 @api.exception_handler(Exception)
-async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected_error(_: Request, exc: Exception) -> Response:
+    if isinstance(exc, (ClientDisconnect, TaskCancelledError)):
+        # The client left while its response streamed: Serve's proxy cancels the replica's
+        # `receive` (TaskCancelledError), the direct ingress says ClientDisconnect. Not an error
+        # of ours; the request's own log line says 499.
+        return Response(status_code=CLIENT_CLOSED)
     error = openai_error(exc)
     if error is None:
         logger.exception("unexpected error while serving a request")
@@ -95,6 +101,7 @@ class Ingress:
     def __init__(
         self, settings: ServingSettings, engines: list[DeploymentHandle], preprocessor: DeploymentHandle | None = None
     ) -> None:
+        log_package_to_replica()
         self.settings = settings
         self.router = engine_router(engines, preprocessor, settings.engine_wait_timeout_s, settings.routing)
         self.metrics = Metrics()
@@ -183,7 +190,7 @@ class Ingress:
         try:
             async for chunk in chunks:
                 if isinstance(chunk, ErrorEvent):
-                    record.error = "error event in stream"
+                    record.error = f"error event in stream: {chunk.message}"
                 yield chunk
             completed = True
         finally:

@@ -20,6 +20,8 @@ from mmserve.multimodal.errors import ImageInputError, PreprocessorBusyError, im
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
 from mmserve.vision import resize_path
 
+from .replica_logs import log_package_to_replica
+
 logger = logging.getLogger("ray.serve")
 
 
@@ -77,6 +79,7 @@ def build_preprocessor(settings: PreprocessorSettings) -> ImagePreprocessor:
 @serve.deployment(name="Preprocessor")
 class PreprocessorDeployment:
     def __init__(self, settings: PreprocessorSettings) -> None:
+        log_package_to_replica()
         self.preprocessor = build_preprocessor(settings)
         logger.info(
             "preprocessor for %s images (pixel mode %s; image resize path: %s)",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deployments.engine_client import BuiltinEngineOptions, EngineClientSettings, EngineLaunchOptions
+from deployments.engine_client_server import BuiltinEngineOptions, EngineClientSettings, EngineLaunchOptions
 from deployments.preprocessor import PreprocessorScaling, PreprocessorSettings
 from mmserve.engine import EngineAddresses
 from mmserve.engine.mm_cache import EngineCacheSettings

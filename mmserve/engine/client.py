@@ -360,7 +360,9 @@ class EngineClient:
     def _declare_dead(self, reason: str) -> None:
         if self.state is not EngineState.READY:
             return
-        logger.error("engine declared dead: %s", reason)
+        # A warning, once, with the reason: the requests it fails are each logged by the ingress
+        # (one INFO line per request), and Serve replaces or the launcher restarts the engine.
+        logger.warning("engine declared dead: %s (%d requests in flight failed)", reason, self.num_in_flight)
         self.state = EngineState.DEAD
         self.death_reason = reason
         self.dead_event.set()

@@ -22,9 +22,10 @@ def sse(payload: str) -> str:
 
 
 class ErrorEvent(str):
-    """An SSE event that carries an OpenAI error body (the stream failed after it started)."""
+    """An SSE event that carries an OpenAI error body (the stream failed after it started);
+    `message` says why, for the request's log line."""
 
-    __slots__ = ()
+    message: str = ""
 
 
 async def started(stream: AsyncIterator[str | bytes]) -> AsyncIterator[str | bytes]:
@@ -65,7 +66,9 @@ async def event_stream(
         if include_usage:
             yield usage_chunk(completion_tokens)
     except OpenAIError as exc:
-        yield ErrorEvent(sse(exc.body().model_dump_json()))
+        event = ErrorEvent(sse(exc.body().model_dump_json()))
+        event.message = exc.message
+        yield event
     yield DONE
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from deployments.engine_client import BuiltinEngineOptions, EngineClientServer, EngineClientSettings
+from deployments.engine_client_server import BuiltinEngineOptions, EngineClientServer, EngineClientSettings
 from mmserve.builtin_engine.settings import DEFAULT_MODEL_DIR
 from mmserve.engine import EngineAddresses
 from mmserve.engine.outputs import CallerChannel

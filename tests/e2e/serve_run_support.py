@@ -103,7 +103,8 @@ class ServeRun:
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=10)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if not os.environ.get("MMSERVE_KEEP_SERVE_RUN"):  # set it to read a failed run's logs
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> "ServeRun":
         return self.start()

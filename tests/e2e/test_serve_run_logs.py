@@ -5,11 +5,15 @@ disconnect as 499 (client closed), never 500."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import os
 import re
+import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -102,3 +106,103 @@ def test_request_lines_metrics_and_no_tracebacks_for_client_mistakes(serve_run):
     assert not bad, "\n".join(bad[:40])
     # The refused image left one INFO line in the preprocessor, naming it.
     assert serve_run.replica_logs("Preprocessor").count("image refused:") == 3
+
+
+def _builtin_engine_pids(run) -> list[int]:
+    """The built-in engine processes of this `serve run` (found by its own RAY_TMPDIR)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"mmserve.builtin_engine" in cmdline and f"RAY_TMPDIR={run.tmp}".encode() in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+async def _streams(url: str, n: int, on_open) -> list[int]:
+    """`n` streamed chats; `on_open(stream)` decides when each client leaves. Their HTTP statuses."""
+    long_chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=n)) as client:
+        async def one() -> int:
+            async with client.stream("POST", CHAT, json=long_chat) as stream:
+                if stream.status_code != 200:
+                    return (stream.status_code, (await stream.aread())[:300])
+                await on_open(stream)
+                return stream.status_code
+        return await asyncio.gather(*(one() for _ in range(n)))
+
+
+def test_disconnects_and_an_engine_death_leave_one_info_line_each_and_no_traceback(serve_run):
+    url = serve_run.base_url
+    before = len(request_log_lines(serve_run.replica_logs("Ingress")))
+
+    async def leave_after_three_events(stream) -> None:
+        events = 0
+        async for line in stream.aiter_lines():
+            events += line.startswith("data:")
+            if events == 3:
+                return  # closing the response mid-stream: the client is gone
+
+    statuses = asyncio.run(_streams(url, 50, leave_after_three_events))
+    assert statuses == [200] * 50, (statuses, serve_run.replica_logs("EngineClient0")[-4000:])
+
+    # 15 streams in flight when the engine dies: each gets an error event, then the stream ends.
+    [pid] = _builtin_engine_pids(serve_run)
+    started = asyncio.Event()
+    opened = 0
+
+    async def read_to_the_end(stream) -> None:
+        nonlocal opened
+        events = 0
+        async for line in stream.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            events += 1
+            if events == 2:
+                opened += 1
+                if opened == 15:
+                    started.set()
+
+    async def kill_when_all_stream() -> list[int]:
+        streams = asyncio.ensure_future(_streams(url, 15, read_to_the_end))
+        await asyncio.wait_for(started.wait(), 60)
+        os.kill(pid, signal.SIGKILL)
+        return await streams
+
+    statuses = asyncio.run(kill_when_all_stream())
+    assert statuses == [200] * 15, (statuses, serve_run.replica_logs("EngineClient0")[-4000:])
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        lines = request_log_lines(serve_run.replica_logs("Ingress"))[before:]
+        if len(lines) >= 65:
+            break
+        time.sleep(0.5)
+    assert len(lines) == 65, lines
+    assert sorted(line["status"] for line in lines[:50]) == [499] * 50
+    died = lines[50:]
+    assert all(line["outcome"] == "error" and "engine" in (line["error"] or "") for line in died), died
+
+    # Serve replaces the engine client (its health check fails); the app serves again.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    logs = serve_run.all_serve_logs() + serve_run.worker_stderr()
+    bad = [line for line in logs.splitlines()
+           if (re.match(r"(ERROR|CRITICAL)\b", line) or "Traceback" in line or "never retrieved" in line)
+           # Serve's controller says so when it replaces the dead engine's client (not a replica's log).
+           and not re.search(r" controller \d+ -- The deployments \['EngineClient0'\] are UNHEALTHY", line)]
+    assert not bad, "\n".join(bad[:60])
+    # The engine's death: said once, with its reason, by its engine client.
+    deaths = [line for line in serve_run.replica_logs("EngineClient0").splitlines() if "engine declared dead" in line]
+    assert len(deaths) == 1, deaths
