@@ -19,7 +19,7 @@ Per repeat, on the running setup:
 3. the abusive bodies, ≈30 MB each (generated once), 5 at a time, kinds interleaved:
    a data-URI image (random base64), stop strings (100 characters each), many tiny messages,
    malformed JSON (valid until its last bytes), and text prompts (chat and completions);
-4. 30 s of settling. The probe runs from step 2 to the end of step 4; a probe that does not get
+4. `--settle-s` (60 s) of settling. The probe runs from step 2 to the end of step 4; a probe that does not get
    a 200 within 60 s is lost.
 
 Reported per repeat: probe p50/p95/lost (loaded vs unloaded), each abusive kind's status codes
@@ -28,7 +28,10 @@ answer is a 4xx/503 in OpenAI's error shape (`{"error": {"message", "type", "par
 `Retry-After` on 503), slow connections the server closed, and the RSS (psutil, every 100 ms) of
 the gateway's processes — mmserve: the Ingress replica, the Serve proxy and the engine-client
 replica; vLLM: its API server process (and the EngineCore, for information) — at baseline (before
-step 2), peak (steps 2–4) and at the end of step 4 (30 s after the last abusive answer).
+step 2), peak (steps 2–4) and at the end of step 4 (a minute after the last abusive answer). mmserve
+runs as README starts it (`RAY_SERVE_ENABLE_HA_PROXY=1`: HAProxy in front of the Ingress replicas'
+own HTTP servers; the Serve proxy actor stays, idle); its Preprocessor replica and HAProxy are
+measured too.
 
 Writes bench/results/abuse.md (tables, medians over repeats) and bench/results/abuse.json (every
 number). Not a test: nothing is asserted. The client shares the machine's 2 cores.
@@ -406,6 +409,10 @@ class MmserveSetup:
                 found["Serve proxy"] = proc
             elif "ServeReplica:" in title and ":EngineClient" in title:
                 found["engine-client replica"] = proc
+            elif "ServeReplica:" in title and title.rstrip().endswith(":Preprocessor"):
+                found["Preprocessor replica"] = proc
+            elif proc.name() == "haproxy":
+                found["HAProxy"] = proc
         missing = {"Ingress replica", "Serve proxy", "engine-client replica"} - set(found)
         if missing:
             raise RuntimeError(f"processes not found under serve run: {missing}")
@@ -608,7 +615,7 @@ def markdown(results: list[RunResult], args: argparse.Namespace, command: str) -
                 return "—"
             b, p, a = (med([h[k] for h in have]) for k in ("baseline", "peak", "after"))
             return f"{b:.0f} → {p:.0f} (+{p - b:.0f}) → {a:.0f} (+{a - b:.0f})"
-        row(f"RSS MB {label}: baseline → peak → 30 s after", rss)
+        row(f"RSS MB {label}: baseline → peak → {args.settle_s:.0f} s after", rss)
     out += ["", "## Each abusive kind (all repeats pooled)", "",
             "| setup | kind | n | status codes | time to answer p50 / max | OpenAI error shape |", "|---|---|---:|---|---:|---:|"]
     for s in setups:
@@ -681,7 +688,7 @@ def main() -> None:
     parser.add_argument("--text-prompts", type=int, default=10)
     parser.add_argument("--scale", type=float, default=1.0, help="body size in units of 30 MB (smoke tests: 0.1)")
     parser.add_argument("--unloaded-s", type=float, default=20.0)
-    parser.add_argument("--settle-s", type=float, default=30.0)
+    parser.add_argument("--settle-s", type=float, default=60.0)
     parser.add_argument("--request-timeout-s", type=float, default=180.0)
     parser.add_argument("--deadline-s", type=float, default=600.0)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "abuse.md"))

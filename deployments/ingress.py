@@ -38,6 +38,7 @@ from mmserve.openai.intake import (
     HeapTrimmer,
     ShapeChecker,
     default_body_budget,
+    map_large_blocks_separately,
     read_body,
     scan_data_uris,
 )
@@ -109,7 +110,9 @@ class Ingress:
         self.server = OpenAIServer(settings, self.router, self.metrics)
         limits = settings.limits
         self.body_caps = BodyCaps.from_settings(settings, images_allowed=self.server.image_family is not None)
-        self.heap_trimmer = HeapTrimmer()  # large bodies' memory back to the OS after they are done
+        # Large bodies' memory back to the OS once they are done.
+        map_large_blocks_separately()
+        self.heap_trimmer = HeapTrimmer()
         budget = limits.ingress_body_budget_bytes or default_body_budget(self.body_caps)
         if budget < default_body_budget(self.body_caps) and self.server.image_family is not None:
             logger.warning(
