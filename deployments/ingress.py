@@ -29,19 +29,8 @@ from ray.exceptions import TaskCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from mmserve.openai.errors import OpenAIError, bad_request, internal_error, openai_error
-from mmserve.openai.intake import (
-    PARSE_CHARGE_PER_BYTE,
-    BodyCaps,
-    BudgetLease,
-    ByteBudget,
-    CountLimits,
-    HeapTrimmer,
-    ShapeChecker,
-    default_body_budget,
-    map_large_blocks_separately,
-    read_body,
-    scan_data_uris,
-)
+from mmserve.openai.body_memory import PARSE_CHARGE_PER_BYTE, BudgetLease, ByteBudget, HeapTrimmer, map_large_blocks_separately
+from mmserve.openai.intake import BodyCaps, CountLimits, ShapeChecker, default_body_budget, read_body, scan_data_uris
 from mmserve.openai.metrics import CLIENT_CLOSED, Metrics, RequestRecord, send_request_log_to
 from mmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from mmserve.openai.serving import OpenAIServer

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from .intake import BudgetLease
+    from .body_memory import BudgetLease
 
 logger = logging.getLogger("mmserve.requests")
 

@@ -13,16 +13,13 @@ from mmserve.openai.errors import OpenAIError
 from mmserve.openai.settings import ServingSettings
 from serve_app.config import AppConfig
 from serve_app.settings import serving_settings
+from mmserve.openai.body_memory import PARSE_CHARGE_PER_BYTE, ByteBudget, HeapTrimmer
 from mmserve.openai.intake import (
-    PARSE_CHARGE_PER_BYTE,
     BodyCaps,
-    ByteBudget,
     CountLimits,
-    HeapTrimmer,
     ShapeChecker,
     base64_chars,
     default_body_budget,
-    map_large_blocks_separately,
     read_body,
     scan_data_uris,
 )
@@ -327,7 +324,7 @@ def test_deep_nesting_is_a_400_not_a_crash():
 
 _AFTER_A_LARGE_BODY = """
 import os, sys
-from mmserve.openai.intake import map_large_blocks_separately
+from mmserve.openai.body_memory import map_large_blocks_separately
 MiB = 1 << 20
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
