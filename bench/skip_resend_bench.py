@@ -103,17 +103,17 @@ async def run(args: argparse.Namespace) -> str:
     ))
     try:
         await client.start()
-        mirror = client.mm_mirror
+        mirror = client.adds.mirror
         assert mirror is not None
         for i in range(2):  # warm-up: the engine caches the images, compiles nothing twice
             await _one(client, _request(f"warm{i}", images, *tokens))
         results: dict[str, list[tuple[int, float]]] = {"skip-resend": [], "full data": []}
         for r in range(args.rounds):
             for mode in (("skip-resend", "full data") if r % 2 == 0 else ("full data", "skip-resend")):
-                client.mm_mirror = mirror if mode == "skip-resend" else None
+                client.adds.mirror = mirror if mode == "skip-resend" else None
                 results[mode].append(await _one(client, _request(f"{mode}-{r}", images, *tokens)))
-        client.mm_mirror = mirror
-        assert client.mm_cache_miss_resends == 0
+        client.adds.mirror = mirror
+        assert client.adds.cache_miss_resends == 0
     finally:
         await client.close()
         engine.stop()

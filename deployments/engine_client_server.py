@@ -215,11 +215,11 @@ class EngineClientServer:
             num_in_flight=self.client.num_in_flight,
             builtin_pid=self.builtin.pid if self.builtin else None,
             bytes_sent=self.client.bytes_sent,
-            requests_sent=self.client.requests_sent,
+            requests_sent=self.client.adds.requests_sent,
             engine_running=stats.num_running_reqs if (stats := self.client.scheduler_stats) else None,
             engine_waiting=stats.num_waiting_reqs if stats else None,
-            mm_items_skipped=self.client.mm_items_skipped,
-            mm_cache_miss_resends=self.client.mm_cache_miss_resends,
+            mm_items_skipped=self.client.adds.items_skipped,
+            mm_cache_miss_resends=self.client.adds.cache_miss_resends,
         )
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:

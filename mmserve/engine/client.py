@@ -8,33 +8,33 @@ request outlives its consumer; `close()` fails what is open and releases the soc
 
 An engine is declared dead, and every open request fails with `EngineDeadError`, when it
 says so (`ENGINE_CORE_DEAD`), when its TCP connection drops (a killed process), or when it
-leaves a cheap utility call unanswered for `health_check_timeout_s` (a hung process).
+leaves a cheap utility call unanswered for `health_check_timeout_s` (a hung process; see
+`liveness.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import itertools
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from ..wire import EngineCoreOutput, EngineCoreRequest, EngineDeadMessage, OutputDecoder, ReadyResponse, RequestEncoder, SchedulerStats
 from .errors import EngineDeadError, EngineError, EngineNotReadyError
 from .frame_diagnostics import FrameTrace
 from .guard import InvalidRequestError, admit
+from .liveness import probe_health, watch_disconnect
 from .outputs import OutputSink, RequestStream
 from .config import EngineClientConfig
-from .mm_cache import SenderCacheMirror, carries_data_for, feature_key
+from .mm_adds import EngineAdds
+from .mm_cache import SenderCacheMirror
 from .transport import EngineTransport
+from .utility_calls import UtilityCalls
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,7 @@ class EngineClient:
         self._encoder = RequestEncoder()
         self._decoder = OutputDecoder()
         self._requests: dict[str, _InFlight] = {}
-        self._utility_calls: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count(1)
+        self._utility_calls = UtilityCalls(self._send)
         self._tasks: list[asyncio.Task[None]] = []
         self._ready_event = asyncio.Event()
         # Set once the engine is declared dead (or its handshake failed): a launcher restarts it.
@@ -82,19 +81,9 @@ class EngineClient:
         self.frame_traces: deque[FrameTrace] = deque(maxlen=max(config.trace_frames, 1))
         self.input_address: str | None = None
         self.output_address: str | None = None
-        # ADDs sent to the engine since start (observability: cancellation tests, metrics).
-        self.requests_sent = 0
-        # Items sent by hash only (the engine held them), and requests resent after the engine
-        # reported items missing (`mm_cache_miss_hashes`).
-        self.mm_items_skipped = 0
-        self.mm_cache_miss_resends = 0
-        # The engine's multimodal item cache, as far as this sender knows (None: send full data).
-        # Made at each handshake: a restarted engine starts empty.
-        self.mm_mirror: SenderCacheMirror | None = None
-        # ADDs carrying items go out in the order the mirror was updated in.
-        self._add_lock = asyncio.Lock()
+        # ADDs, and the multimodal items in them (by hash where the engine holds them).
+        self.adds = EngineAdds(self._send)
         self._release_task: asyncio.Task[None] | None = None
-        self._resends: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -125,13 +114,17 @@ class EngineClient:
         # on it (after this one dies) waits for our replacement instead of saying HELLO to a
         # socket nobody reads (a DEALER does not resend it on reconnect).
         self._transport.close_handshake()
-        self.mm_mirror = SenderCacheMirror.for_engine(self.config.mm_cache, self.ready)
+        self.adds.mirror = SenderCacheMirror.for_engine(self.config.mm_cache, self.ready)
         # Watch for disconnects before anything else can go wrong.
         monitor = self._transport.watch_disconnects()
+        config = self.config
         self._tasks = [
             asyncio.create_task(self._output_loop(), name="engine-outputs"),
-            asyncio.create_task(self._monitor_loop(monitor), name="engine-monitor"),
-            asyncio.create_task(self._health_loop(), name="engine-health"),
+            asyncio.create_task(watch_disconnect(monitor, self._declare_dead), name="engine-monitor"),
+            asyncio.create_task(probe_health(
+                self.call_utility, lambda: self.state is EngineState.READY, self._declare_hung,
+                config.health_check_interval_s, config.health_check_timeout_s,
+            ), name="engine-health"),
         ]
         self.state = EngineState.READY
         self._ready_event.set()
@@ -181,7 +174,7 @@ class EngineClient:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         self._requests[request_id] = _InFlight(request, sink)
         try:
-            await self._send_add(request)
+            await self.adds.send(request)
         except BaseException:
             self._requests.pop(request_id, None)
             raise
@@ -220,14 +213,7 @@ class EngineClient:
     async def call_utility(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """Call an EngineCore method by name (vLLM's UTILITY message) and return its result."""
         self._raise_if_unusable()
-        call_id = next(self._call_ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._utility_calls[call_id] = future
-        try:
-            await self._send(self._encoder.encode_utility(0, call_id, method, args))
-            return await asyncio.wait_for(future, timeout_s)
-        finally:
-            self._utility_calls.pop(call_id, None)
+        return await self._utility_calls.call(method, args, timeout_s)
 
     # ----------------------------------------------------------------- internals
 
@@ -237,24 +223,6 @@ class EngineClient:
         if self.state is EngineState.STARTING:
             raise EngineNotReadyError("the engine is still starting")
         raise EngineDeadError(self.death_reason or f"engine is {self.state.value}")
-
-    async def _send_add(self, request: EngineCoreRequest, *, force_data: bool = False) -> None:
-        mirror = self.mm_mirror
-        if mirror is None or not request.mm_features:
-            await self._send(self._encoder.encode_add(request))
-            self.requests_sent += 1
-            return
-        async with self._add_lock:
-            features = mirror.prepare(request.mm_features, force_data=force_data)
-            try:
-                await self._send(self._encoder.encode_add(msgspec.structs.replace(request, mm_features=features)))
-            except BaseException:
-                # The engine may not have these items: never send them by hash on our word alone.
-                for feature in request.mm_features:
-                    mirror.invalidate(feature_key(feature))
-                raise
-        self.requests_sent += 1
-        self.mm_items_skipped += sum(1 for f in features if f.data is None)
 
     async def _send(self, frames: list) -> None:
         assert self._transport is not None
@@ -281,81 +249,29 @@ class EngineClient:
                 continue
             if outputs.scheduler_stats is not None:
                 self.scheduler_stats = outputs.scheduler_stats
-            if (utility := outputs.utility_output) is not None:
-                future = self._utility_calls.get(utility.call_id)
-                if future is not None and not future.done():
-                    if utility.failure_message is not None:
-                        future.set_exception(EngineError(f"utility call failed: {utility.failure_message}"))
-                    else:
-                        future.set_result(utility.value)
+            if outputs.utility_output is not None:
+                self._utility_calls.answered(outputs.utility_output)
             for output in outputs.outputs:
                 entry = self._requests.get(output.request_id)
                 if entry is None:
                     # Late output of an aborted or finished request, or someone else's id.
                     continue
                 if output.finished:
-                    if self._resend_on_cache_miss(entry, output.mm_cache_miss_hashes):
+                    if not entry.resent and self.adds.resend_on_cache_miss(entry.request, output.mm_cache_miss_hashes, self._fail):
+                        entry.resent = True  # once: the caller sees a normal answer
                         continue
                     # Later outputs for this id (there should be none) are dropped.
                     del self._requests[output.request_id]
                 entry.sink.put(output)
-
-    def _resend_on_cache_miss(self, entry: _InFlight, missing: list[str] | None) -> bool:
-        """The engine lost items we sent by hash (its cache drifted from our mirror): resend the
-        request once, every item with its data; the caller sees a normal answer."""
-        if not missing or entry.resent or not carries_data_for(entry.request.mm_features, missing):
-            return False
-        entry.resent = True
-        self.mm_cache_miss_resends += 1
-        request_id = entry.request.request_id
-        logger.warning("request %s: engine misses cached items %s; resending with data", request_id, missing)
-        if self.mm_mirror is not None:
-            for key in missing:
-                self.mm_mirror.invalidate(key)
-        task = asyncio.get_running_loop().create_task(self._resend(entry), name=f"resend-{request_id}")
-        self._resends.add(task)
-        task.add_done_callback(self._resends.discard)
-        return True
-
-    async def _resend(self, entry: _InFlight) -> None:
-        try:
-            await self._send_add(entry.request, force_data=True)
-        except EngineError as exc:
-            self._fail(entry.request.request_id, exc)
-        except Exception as exc:
-            self._fail(entry.request.request_id, EngineError(f"resending the request failed: {exc}"))
 
     def _fail(self, request_id: str, error: EngineError) -> None:
         entry = self._requests.pop(request_id, None)
         if entry is not None:
             entry.sink.fail(request_id, error)
 
-    async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._declare_dead("engine connection lost (process exited or network failed)")
-                return
-
-    async def _health_loop(self) -> None:
-        interval = self.config.health_check_interval_s
-        timeout = self.config.health_check_timeout_s
-        while self.state is EngineState.READY:
-            await asyncio.sleep(interval)
-            started = time.monotonic()
-            try:
-                await self.call_utility("is_sleeping", timeout_s=timeout)
-            except TimeoutError:
-                self.hung = self.state is EngineState.READY
-                self._declare_dead(f"engine did not answer a health check within {timeout:.1f} s (hung?)")
-                return
-            except EngineError as exc:
-                if self.state is not EngineState.READY:
-                    return
-                # The engine answered, with a failure: it is alive, which is all we ask here.
-                logger.warning("engine health check answered with an error: %s", exc)
-                continue
-            logger.debug("engine health check answered in %.1f ms", (time.monotonic() - started) * 1e3)
+    def _declare_hung(self, reason: str) -> None:
+        self.hung = True  # its process may still be there, answering nobody
+        self._declare_dead(reason)
 
     def _declare_dead(self, reason: str) -> None:
         if self.state is not EngineState.READY:
@@ -386,7 +302,5 @@ class EngineClient:
         requests, self._requests = self._requests, {}
         for request_id, entry in requests.items():
             entry.sink.fail(request_id, error)
-        for future in self._utility_calls.values():
-            if not future.done():
-                future.set_exception(error)
+        self._utility_calls.fail_all(error)
 
