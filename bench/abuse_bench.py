@@ -18,7 +18,9 @@ Per repeat, on the running setup:
    header line every 2 s), 50 declare a 1 MB text chat and trickle its body (100 bytes a second);
 3. the abusive bodies, ≈30 MB each (generated once), 5 at a time, kinds interleaved:
    a data-URI image (random base64), stop strings (100 characters each), many tiny messages,
-   malformed JSON (valid until its last bytes), and text prompts (chat and completions);
+   malformed JSON (valid until its last bytes), and text prompts (chat and completions); and,
+   among them, honest requests that cost the preprocessor most: one distinct 49 MP image each
+   (a few MB as PNG, within every default limit);
 4. `--settle-s` (60 s) of settling. The probe runs from step 2 to the end of step 4; a probe that does not get
    a 200 within 60 s is lost.
 
@@ -125,9 +127,37 @@ def make_bodies(size: int) -> dict[str, tuple[str, bytes]]:
     }
 
 
+# Honest requests that cost the preprocessor the most memory the defaults allow: one image of
+# just under images.max_image_pixels (50 MP), a few MB as PNG. Each is distinct (the processed-image
+# cache would otherwise skip the decode). Served or refused (too many tokens for the tiny model's
+# context, or 503 while the preprocessor's pixel budget is full): either way after the decode.
+LARGE_IMAGE = "large image (49 MP)"
+LARGE_IMAGE_SIDE = 7000
+
+
+def large_image_bodies(n: int) -> list[bytes]:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:LARGE_IMAGE_SIDE, 0:LARGE_IMAGE_SIDE].astype(np.uint16)
+    base = np.stack([x % 256, y % 256, (x // 28 + y // 28) % 256], axis=-1).astype(np.uint8)
+    del x, y
+    bodies = []
+    for i in range(n):
+        base[0, :64] = i  # distinct encoded bytes per request
+        buf = io.BytesIO()
+        Image.fromarray(base).save(buf, "PNG", compress_level=1)
+        uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        bodies.append(json.dumps({"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is in this image?"}, {"type": "image_url", "image_url": {"url": uri}}]}]}).encode())
+    return bodies
+
+
 def abuse_schedule(per_kind: int, text_prompts: int) -> list[str]:
     """Kinds interleaved: every kind is in flight throughout, not one after the other."""
-    kinds = ["image (data URI)", "stop strings", "many messages", "malformed JSON"]
+    kinds = ["image (data URI)", "stop strings", "many messages", "malformed JSON", LARGE_IMAGE]
     queue = [k for _ in range(per_kind) for k in kinds]
     texts = ["text prompt (chat)", "text prompt (completions)"] * ((text_prompts + 1) // 2)
     step = max(1, len(queue) // max(1, text_prompts))
@@ -473,7 +503,7 @@ class RunResult:
     abuse_seconds: float
 
 
-async def _abuse(port: int, bodies: dict[str, tuple[str, bytes]], schedule: list[str], timeout_s: float,
+async def _abuse(port: int, bodies: dict[str, tuple[str, bytes | list[bytes]]], schedule: list[str], timeout_s: float,
                  deadline_s: float, slow_stats: SlowStats) -> tuple[list[Answer], int]:
     stop_slow = asyncio.Event()
     slow = [asyncio.create_task(slow_connection(port, i >= SLOW_HEADERS, stop_slow, slow_stats, i))
@@ -485,8 +515,10 @@ async def _abuse(port: int, bodies: dict[str, tuple[str, bytes]], schedule: list
 
     async def worker() -> None:
         while queue and time.monotonic() < deadline:
-            _, kind = queue.pop(0)
+            index, kind = queue.pop(0)
             route, body = bodies[kind]
+            if isinstance(body, list):  # distinct bodies of one kind, in turn
+                body = body[index % len(body)]
             answers.append(await send_abusive(port, kind, route, body, timeout_s))
 
     await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
@@ -554,6 +586,8 @@ def run_once(setup: Any, base_url: str, bodies: dict[str, tuple[str, bytes]], sc
 
 
 def _answer_ok(a: Answer) -> bool:
+    if a.kind == LARGE_IMAGE and a.status == 200:
+        return True  # an honest request, served
     return a.status is not None and (400 <= a.status < 500 or a.status == 503) and a.openai_shape and (a.status != 503 or a.retry_after)
 
 
@@ -699,9 +733,11 @@ def main() -> None:
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model_dir = build_model(REPO / ".cache" / "bench_models" / MODEL_NAME)
-    bodies = make_bodies(int(30 * MB * args.scale))
+    bodies: dict[str, tuple[str, bytes | list[bytes]]] = dict(make_bodies(int(30 * MB * args.scale)))
+    bodies[LARGE_IMAGE] = ("/v1/chat/completions", large_image_bodies(args.per_kind))
     schedule = abuse_schedule(args.per_kind, args.text_prompts)
-    print({k: f"{len(b) / MB:.1f} MB" for k, (_, b) in bodies.items()}, f"{len(schedule)} abusive requests", flush=True)
+    print({k: f"{len(b if isinstance(b, bytes) else b[0]) / MB:.1f} MB" for k, (_, b) in bodies.items()},
+          f"{len(schedule)} abusive requests", flush=True)
     results: list[RunResult] = load_results(args.reuse, exclude=args.setups.split(",")) if args.reuse else []
     for name in args.setups.split(","):
         work = Path(tempfile.mkdtemp(prefix=f"abuse_{name}_"))

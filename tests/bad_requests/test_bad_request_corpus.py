@@ -1,8 +1,9 @@
 """The bad-request corpus: every entry gets a 4xx in OpenAI's error shape, before any engine.
 
 Against the built-in engine: one test per entry. Against a real vLLM engine: the whole corpus
-in one test, then proof that the same engine process still serves a greedy request with the
-same tokens as before.
+in one test (none of it reaches the engine), then valid requests at the edges of vLLM's fields
+(which do, and are served), then proof that the same engine process still serves a greedy
+request with the same tokens as before.
 """
 
 from __future__ import annotations
@@ -69,22 +70,25 @@ def test_builtin_engine_never_saw_the_corpus(builtin_app, builtin_client):
     assert builtin_app.engine_info().requests_sent == sent_before
 
 
-@pytest.mark.parametrize(
-    "fields",
-    [
-        {"structured_outputs": {"choice": ["yes", "no"]}},
-        {"structured_outputs": {"regex": "[0-9]{3}"}},
-        {"structured_outputs": {"json": "{\"type\": \"object\"}"}},
-        {"structured_outputs": {"grammar": "root ::= \"a\" | \"b\""}},
-        {"response_format": {"type": "json_object"}},
-        {"response_format": {"type": "text"}},
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}},
-        {"bad_words": ["sea"], "allowed_token_ids": [1, 2, 3, 300]},
-        {"logit_bias": {"5": 100, "7": -100}},
-        {"n": 2, "temperature": 0.7, "top_k": -1},
-    ],
-)
+# Valid requests at the edges of vLLM's fields: each reaches the engine and must be served.
+VALID_EDGES: list[dict] = [
+    {"structured_outputs": {"choice": ["yes", "no"]}},
+    {"structured_outputs": {"regex": "[0-9]{3}"}},
+    {"structured_outputs": {"json": "{\"type\": \"object\"}"}},
+    {"structured_outputs": {"grammar": "root ::= \"a\" | \"b\""}},
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "text"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}},
+    {"bad_words": ["sea"], "allowed_token_ids": [1, 2, 3, 300]},
+    {"logit_bias": {"5": 100, "7": -100}},
+    {"n": 2, "temperature": 0.7, "top_k": -1},
+    {"max_tokens": 1, "min_tokens": 1, "seed": 2**63 - 1, "temperature": 2.0, "top_p": 1e-9},
+    {"stop": ["x" * 512] * 16, "presence_penalty": 2.0, "frequency_penalty": -2.0, "repetition_penalty": 2.0},
+]
+
+
+@pytest.mark.parametrize("fields", VALID_EDGES)
 def test_builtin_app_accepts_valid_vllm_fields(builtin_app, builtin_client, fields):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
     resp = builtin_client.post(builtin_app.base_url + "/v1/chat/completions", json=body)
@@ -113,6 +117,13 @@ def test_real_vllm_engine_survives_the_whole_corpus(vllm_app):
         assert not problems, "\n".join(problems)
         # Nothing of the corpus reached the engine: every refusal happened in the gateway.
         assert app.engine_info().requests_sent == sent_before
+        # What does reach it, valid requests at the edges of vLLM's fields, is served ...
+        for fields in VALID_EDGES:
+            for endpoint, body in (("/v1/chat/completions", {"messages": greedy["messages"]}), ("/v1/completions", {"prompt": "hi"})):
+                resp = client.post(app.base_url + endpoint, json={"model": vllm_app.model_name, "max_tokens": 4, **body, **fields})
+                assert resp.status_code == 200, (fields, resp.text[:300])
+        assert app.engine_info().requests_sent >= sent_before + 2 * len(VALID_EDGES)
+        # ... and leaves the engine answering as before.
         after = client.post(app.base_url + "/v1/chat/completions", json=greedy)
     assert after.status_code == 200, after.text
     assert after.json()["choices"][0]["token_ids"] == before.json()["choices"][0]["token_ids"]

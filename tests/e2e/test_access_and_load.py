@@ -74,18 +74,33 @@ def test_engine_client_binds_exactly_the_configured_address():
         transport.close()
 
 
+def _sample(text: str, name: str) -> float:
+    """The value of an unlabelled sample (its line is exported, 0, before anything is observed)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
 def test_metrics_and_request_log(builtin_app):
+    from tests.support.images import image_uri
+
+    metrics = builtin_app.base_url + "/metrics"
+    before = httpx.get(metrics, timeout=30).text
     client = builtin_app.openai()
     client.chat.completions.create(model="mmserve-builtin", **CHAT)
     httpx.post(builtin_app.base_url + "/v1/chat/completions", json={**CHAT, "temperature": 9}, timeout=30)
-    text = httpx.get(builtin_app.base_url + "/metrics", timeout=30).text
+    client.chat.completions.create(model="mmserve-builtin", max_tokens=4, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": image_uri(64, 48, seed=3)}}]}])
+    text = httpx.get(metrics, timeout=30).text
     assert 'mmserve_requests_total{endpoint="chat",status="200"}' in text
     assert 'mmserve_requests_total{endpoint="chat",status="400"}' in text
-    assert "mmserve_time_to_first_token_seconds_count" in text
-    assert "mmserve_inter_token_latency_seconds_bucket" in text
+    # Observed by these requests, not merely exported: the counts grew.
+    for name, grew_by in (("mmserve_time_to_first_token_seconds_count", 2), ("mmserve_inter_token_latency_seconds_count", 1),
+                          ("mmserve_preprocess_seconds_per_image_count", 1)):
+        assert _sample(text, name) - _sample(before, name) >= grew_by, name
     assert 'mmserve_engine_ready{engine="0"} 1.0' in text
     assert 'mmserve_engine_bytes_sent{engine="0"}' in text
-    assert "mmserve_preprocess_seconds_per_image" in text
 
 
 def test_request_log_line_fields():

@@ -87,7 +87,8 @@ def test_launched_engine_serves_restarts_and_leaves_nothing(serve_instance, tiny
         port = int(info.handshake_address.rsplit(":", 1)[1])
         assert info.handshake_address.startswith("tcp://127.0.0.1:"), info  # loopback: same node
         assert status["starts"] == 1 and len(status["tree"]) >= 2, status  # vllm serve + its EngineCore
-        assert status["node_id"] == status["engine_client_node_id"], status
+        # (Colocation of engine and engine client is not checked here: this cluster has one node,
+        # where any two node ids are equal. tests/e2e/test_multinode_colocation.py places them.)
         seen.update(status["tree"])
         assert _engine_processes(port) == [status["tree"][0]]
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.support.page_tables import resident_pages
+from tests.support.page_tables import resident_file_pages, resident_pages
 from mmserve.multimodal import load_image_family
 from serve_app.config import BUILTIN_MODEL_DIR
 from tests.conftest import deploy_app
@@ -24,9 +24,14 @@ pytestmark = pytest.mark.serve
 
 
 def _png_uri(width: int, height: int) -> str:
-    rng = np.random.default_rng(7)
+    """A gradient: a few kB as PNG, so the preprocessing request travels inline in its Ray call
+    and the ingress writes nothing to the object store (its own writes there, freed and reused
+    for the pixels, would look like the ingress touching them)."""
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x * 255 // width, y * 255 // height, (x + y) % 256], axis=-1).astype(np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "PNG")
+    Image.fromarray(pixels).save(buf, "PNG")
+    assert len(buf.getvalue()) < 50_000
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
@@ -38,6 +43,10 @@ def test_engine_client_sends_object_store_memory_and_ingress_never_maps_it(serve
         family = load_image_family(BUILTIN_MODEL_DIR)
         width, height = 640, 480
         rows = family.num_tokens(width, height) * 4  # merge 2x2: four patches per token
+        ingress = serve.get_deployment_handle("Ingress", app_name="zerocopy")
+        ingress_pid = ingress.pid.remote().result(timeout_s=30)
+        # Pages of the store the ingress process touched before (a reused worker, other requests).
+        touched_before = resident_file_pages(ingress_pid, "/dev/shm/plasma")
         resp = app.openai().chat.completions.create(
             model="mmserve-builtin",
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_uri(width, height)}}]}],
@@ -62,7 +71,6 @@ def test_engine_client_sends_object_store_memory_and_ingress_never_maps_it(serve
         # ... while the ingress, which handed the preprocessing response on, never touched a
         # single page of them (Ray maps the store file in every worker; pages never faulted in
         # are absent from the ingress's page tables).
-        ingress_pid = serve.get_deployment_handle("Ingress", app_name="zerocopy").pid.remote().result(timeout_s=30)
-        assert resident_pages(ingress_pid, "/dev/shm/plasma", trace.mapping_offset, trace.nbytes) in (None, 0)
+        assert resident_pages(ingress_pid, "/dev/shm/plasma", trace.mapping_offset, trace.nbytes, touched_before) in (None, 0)
     finally:
         serve.delete("zerocopy", _blocking=False)

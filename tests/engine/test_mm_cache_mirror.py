@@ -53,23 +53,32 @@ def _vllms(pixel_rows: int) -> MultiModalKwargsItem:
     })
 
 
+class VllmFailsRequest(Exception):
+    """vLLM's front-end fails this request (see `_vllm_front_end_sends`)."""
+
+
 def _vllm_front_end_sends(sender: LruKeyReplicatedSenderCache, request: list[tuple[str, int]]) -> list[bool]:
     """What vLLM's front-end sends for one request (True = with data), as `_get_cache_missing_items`
-    and `_merge_mm_kwargs` drive its sender cache."""
+    and `_merge_mm_kwargs` drive its sender cache. A request whose new items evict one of its own
+    items found cached a moment before fails in vLLM (an AssertionError in the cache):
+    `VllmFailsRequest`, with the sender brought to the state the mirror reaches by sending that
+    item in full (the one place where the mirror differs from vLLM, by design)."""
     keys = [key for key, _ in request]
     is_cached = sender.is_cached(keys)
     for key in keys:
         sender.touch_sender_cache_item(key)
     sent = []
+    failed = False
     for (key, rows), cached in zip(request, is_cached):
         item = None if cached else (_vllms(rows), [])
         try:
             data, _ = sender.get_and_update_item(item, key)
         except AssertionError:
-            # A request larger than the cache evicted its own earlier item after `is_cached`: vLLM
-            # fails such a request; the mirror (which always has the data) sends it in full.
+            failed = True
             data, _ = sender.get_and_update_item((_vllms(rows), []), key)
         sent.append(data is not None)
+    if failed:
+        raise VllmFailsRequest(sent)
     return sent
 
 
@@ -98,7 +107,10 @@ def test_mirror_matches_vllm_sender_and_receiver_never_misses(seed):
     mirror = SenderCacheMirror(GIB * cache_gb)
     skipped = 0
     for request in requests:
-        vllm_sent = _vllm_front_end_sends(sender, request)
+        try:
+            vllm_sent = _vllm_front_end_sends(sender, request)
+        except VllmFailsRequest as failure:
+            vllm_sent = failure.args[0]  # the mirror sends the evicted item in full instead
         ours = mirror.prepare([_ours(key, rows) for key, rows in request])
         assert [f.data is not None for f in ours] == vllm_sent
         assert mirror.keys() == list(sender._cache.order)
@@ -112,6 +124,21 @@ def test_mirror_matches_vllm_sender_and_receiver_never_misses(seed):
         assert list(receiver._cache.order) == mirror.keys()
         skipped += sum(f.data is None for f in ours)
     assert skipped > 50  # the streams really exercise hits, not only misses
+
+
+def test_a_request_evicting_its_own_cached_item_fails_in_vllm_and_the_mirror_sends_that_item_in_full():
+    cache_gb = 0.0001  # ≈107 KB: x and y (47 KB each) fit together, z (94 KB) evicts both
+    sender = LruKeyReplicatedSenderCache(_model_config(cache_gb))
+    mirror = SenderCacheMirror(GIB * cache_gb)
+    primed = [("x", 40), ("y", 40)]
+    assert _vllm_front_end_sends(sender, primed) == [True, True]
+    mirror.prepare([_ours(key, rows) for key, rows in primed])
+    request = [("z", 80), ("x", 40)]  # x is cached when the request starts; z's insertion evicts it
+    with pytest.raises(VllmFailsRequest):
+        _vllm_front_end_sends(sender, request)
+    ours = mirror.prepare([_ours(key, rows) for key, rows in request])
+    assert [f.data is not None for f in ours] == [True, True]  # x was evicted: sent with its data
+    assert mirror.keys() == list(sender._cache.order)
 
 
 def test_item_size_is_the_sum_of_tensor_nbytes_as_vllm_counts_it():
