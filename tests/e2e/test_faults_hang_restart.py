@@ -197,6 +197,8 @@ def test_two_engines_one_killed_then_restarted_on_same_port(serve_instance):
         # the engine client that saw it die): the replacement must handshake with it.
         procs[0] = _start_builtin(ports[0])
         wait_for(lambda: app.engine_info(0).state == "ready", 90, "restarted engine 0 ready")
+        # And the ingress has seen it (its view of the engines is refreshed each second).
+        wait_for(lambda: _health(app).json()["engines"][0]["state"] == "ready", 30, "the ingress sees engine 0 ready")
         sent_before = app.engine_info(0).requests_sent
         for i in range(6):
             _chat(app, BUILTIN, f"after restart {i}")
