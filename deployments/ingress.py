@@ -102,11 +102,12 @@ class Ingress:
         # Large bodies' memory back to the OS once they are done.
         map_large_blocks_separately()
         self.heap_trimmer = HeapTrimmer()
-        budget = limits.ingress_body_budget_bytes or default_body_budget(self.body_caps)
-        if budget < default_body_budget(self.body_caps) and self.server.image_family is not None:
+        needed = default_body_budget(self.body_caps)
+        budget = limits.ingress_body_budget_bytes or needed
+        if budget < needed and self.server.image_family is not None:
             logger.warning(
                 "limits.ingress_body_budget_bytes=%d is below what the largest request the image caps allow "
-                "needs to be parsed (%d): such requests get 413", budget, default_body_budget(self.body_caps),
+                "needs to be parsed (%d): such requests get 413", budget, needed,
             )
         self.budget = ByteBudget(budget, limits.small_request_bytes, self.heap_trimmer.request)
         self.shapes = ShapeChecker(CountLimits.from_settings(settings))

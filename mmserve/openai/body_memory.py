@@ -72,14 +72,8 @@ class BudgetLease:
     def admit(self, body_bytes: int) -> None:
         """Refuse a body of `body_bytes` now if it could never fit (413) or does not fit now
         (503); holds nothing."""
-        budget = self.budget
-        if body_bytes <= budget.small:
-            return
-        charge = PARSE_CHARGE_PER_BYTE * body_bytes
-        if charge > budget.limit:
-            raise budget.never_fits(body_bytes)
-        if budget.used - self.held + charge > budget.limit:
-            raise budget.busy()
+        if body_bytes > self.budget.small:
+            self._check(PARSE_CHARGE_PER_BYTE * body_bytes, body_bytes)
 
     def hold(self, amount: int, body_bytes: int) -> None:
         """Hold `amount` bytes for a body of `body_bytes` (more or fewer than now). Growing past
@@ -88,12 +82,18 @@ class BudgetLease:
         if body_bytes > budget.small:
             self.large = True
             if amount > self.held:
-                if PARSE_CHARGE_PER_BYTE * body_bytes > budget.limit:
-                    raise budget.never_fits(body_bytes)
-                if budget.used - self.held + amount > budget.limit:
-                    raise budget.busy()
+                self._check(amount, body_bytes)
         budget.used += amount - self.held
         self.held = amount
+
+    def _check(self, amount: int, body_bytes: int) -> None:
+        """413 if parsing the body could never fit the budget, 503 if `amount` does not fit beside
+        what the other requests hold now."""
+        budget = self.budget
+        if PARSE_CHARGE_PER_BYTE * body_bytes > budget.limit:
+            raise budget.never_fits(body_bytes)
+        if budget.used - self.held + amount > budget.limit:
+            raise budget.busy()
 
     def release(self) -> None:
         """Give everything back (idempotent)."""
