@@ -46,6 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mmserve.vision import LlavaSettings, PixelDtype, Qwen2VLSettings, decode_rgb  # noqa: E402
 from mmserve.vision.image_io import decode_image  # noqa: E402
 from mmserve.vision.resize import pillow_simd_active, resize_channels  # noqa: E402
+from tests.support.defaults import image_limits  # noqa: E402
+
+LIMITS = image_limits()
 
 torch.set_num_threads(1)
 
@@ -131,27 +134,27 @@ def main() -> None:
     # (label, fn(data, target), key): rows sharing a key are compared in the ratio table.
     methods: list[tuple[str, object, str]] = [
         ("floor: JPEG decode to RGB PIL image", lambda d, t: pil_rgb(d), ""),
-        ("floor: JPEG decode to RGB numpy array (`decode_rgb`)", lambda d, t: decode_rgb(d), ""),
-        (f"floor: decode + exact resize alone ({exact_resize})", lambda d, t: resize_channels(decode_image(d), *t), ""),
+        ("floor: JPEG decode to RGB numpy array (`decode_rgb`)", lambda d, t: decode_rgb(d, LIMITS), ""),
+        (f"floor: decode + exact resize alone ({exact_resize})", lambda d, t: resize_channels(decode_image(d, LIMITS), *t), ""),
         ("floor: decode + torch uint8 antialiased bicubic alone", lambda d, t: torch_resize(pil_rgb(d), t), ""),
-        ("**mmserve Qwen2-VL uint8** (`decode_rgb` + process)", lambda d, t: qwen.process(decode_rgb(d)), "ours:q8"),
-        ("mmserve Qwen2-VL uint8 (`decode_image` + process)", lambda d, t: qwen.process(decode_image(d)), "alt:q8"),
-        ("mmserve Qwen2-VL uint8 + content hash", lambda d, t: qwen.process(decode_rgb(d)).content_hash, "hash:q8"),
+        ("**mmserve Qwen2-VL uint8** (`decode_rgb` + process)", lambda d, t: qwen.process(decode_rgb(d, LIMITS)), "ours:q8"),
+        ("mmserve Qwen2-VL uint8 (`decode_image` + process)", lambda d, t: qwen.process(decode_image(d, LIMITS)), "alt:q8"),
+        ("mmserve Qwen2-VL uint8 + content hash", lambda d, t: qwen.process(decode_rgb(d, LIMITS)).content_hash, "hash:q8"),
         ("HF Qwen2-VL torchvision uint8 (decode + processor)",
          lambda d, t: hf_tv(images=[pil_rgb(d)], do_rescale=False, do_normalize=False, return_tensors="pt"), "hf:q8"),
-        ("**mmserve Qwen2-VL bf16** (`decode_rgb` + process)", lambda d, t: qwen.process(decode_rgb(d), bf16), "ours:qbf"),
-        ("mmserve Qwen2-VL bf16 (`decode_image` + process)", lambda d, t: qwen.process(decode_image(d), bf16), "alt:qbf"),
+        ("**mmserve Qwen2-VL bf16** (`decode_rgb` + process)", lambda d, t: qwen.process(decode_rgb(d, LIMITS), bf16), "ours:qbf"),
+        ("mmserve Qwen2-VL bf16 (`decode_image` + process)", lambda d, t: qwen.process(decode_image(d, LIMITS), bf16), "alt:qbf"),
         ("HF Qwen2-VL torchvision bf16 (decode + processor + cast)",
          lambda d, t: hf_tv(images=[pil_rgb(d)], return_tensors="pt")["pixel_values"].to(torch.bfloat16), "hf:qbf"),
-        ("**mmserve LLaVA bf16** (`decode_rgb` + process)", lambda d, t: llava.process(decode_rgb(d)), "ours:lbf"),
-        ("mmserve LLaVA bf16 (`decode_image` + process)", lambda d, t: llava.process(decode_image(d)), "alt:lbf"),
+        ("**mmserve LLaVA bf16** (`decode_rgb` + process)", lambda d, t: llava.process(decode_rgb(d, LIMITS)), "ours:lbf"),
+        ("mmserve LLaVA bf16 (`decode_image` + process)", lambda d, t: llava.process(decode_image(d, LIMITS)), "alt:lbf"),
         ("HF CLIP torchvision bf16 (decode + processor + cast)",
          lambda d, t: hf_clip(images=[pil_rgb(d)], return_tensors="pt")["pixel_values"].to(torch.bfloat16), "hf:lbf"),
-        ("**mmserve Qwen3-VL uint8** (`decode_rgb` + process)", lambda d, t: qwen3.process(decode_rgb(d)), "ours:q3u8"),
-        ("mmserve Qwen3-VL uint8 (`decode_image` + process)", lambda d, t: qwen3.process(decode_image(d)), "alt:q3u8"),
+        ("**mmserve Qwen3-VL uint8** (`decode_rgb` + process)", lambda d, t: qwen3.process(decode_rgb(d, LIMITS)), "ours:q3u8"),
+        ("mmserve Qwen3-VL uint8 (`decode_image` + process)", lambda d, t: qwen3.process(decode_image(d, LIMITS)), "alt:q3u8"),
         ("HF Qwen3-VL torchvision uint8 (decode + processor)",
          lambda d, t: hf_qwen3(images=[pil_rgb(d)], do_rescale=False, do_normalize=False, return_tensors="pt"), "hf:q3u8"),
-        ("**mmserve Qwen3-VL bf16** (`decode_rgb` + process)", lambda d, t: qwen3.process(decode_rgb(d), bf16), "ours:q3bf"),
+        ("**mmserve Qwen3-VL bf16** (`decode_rgb` + process)", lambda d, t: qwen3.process(decode_rgb(d, LIMITS), bf16), "ours:q3bf"),
         ("HF Qwen3-VL torchvision bf16 (decode + processor + cast)",
          lambda d, t: hf_qwen3(images=[pil_rgb(d)], return_tensors="pt")["pixel_values"].to(torch.bfloat16), "hf:q3bf"),
     ]

@@ -38,11 +38,12 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig  # noqa: E402
+from mmserve.engine import EngineAddresses, EngineClient  # noqa: E402
 from mmserve.multimodal import ProcessedImages, attach_images, load_image_family, pixel_dtype_for  # noqa: E402
 from mmserve.multimodal.types import PixelMode  # noqa: E402
 from mmserve.vision import decode_rgb  # noqa: E402
 from mmserve.wire import EngineCoreRequest, SamplingParams  # noqa: E402
+from tests.support.defaults import engine_client_config, image_limits  # noqa: E402
 from tests.support.tiny_models import build_tiny_qwen2_vl  # noqa: E402
 from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port  # noqa: E402
 
@@ -88,7 +89,7 @@ async def run(args: argparse.Namespace) -> str:
     family = load_image_family(model_dir)
     dtype = pixel_dtype_for(PixelMode.DEVICE_NORMALIZE, "bfloat16")
     images = ProcessedImages(
-        images=[family.process(decode_rgb(_jpeg(width, height, seed)), dtype) for seed in range(args.images_per_request)],
+        images=[family.process(decode_rgb(_jpeg(width, height, seed), image_limits()), dtype) for seed in range(args.images_per_request)],
         placeholder_token_id=family.placeholder_token_id, family=family.name,
     )
     config = json.loads((model_dir / "config.json").read_text())
@@ -97,9 +98,8 @@ async def run(args: argparse.Namespace) -> str:
 
     port = free_tcp_port()
     engine = HeadlessVllmEngine(model_dir, port, max_model_len=4096).start()
-    client = EngineClient(EngineClientConfig(
-        addresses=EngineAddresses(f"tcp://127.0.0.1:{port}"), handshake_timeout_s=600,
-        health_check_interval_s=1.0, health_check_timeout_s=30.0,
+    client = EngineClient(engine_client_config(
+        EngineAddresses(f"tcp://127.0.0.1:{port}"), handshake_timeout_s=600, health_check_interval_s=1.0, health_check_timeout_s=30.0,
     ))
     try:
         await client.start()

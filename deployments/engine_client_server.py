@@ -33,31 +33,32 @@ class BuiltinEngineOptions:
     """How this replica starts its built-in engine (`serve_app`'s `builtin_engine` settings)."""
 
     model_dir: Path
-    max_model_len: int = 4096
-    max_num_seqs: int = 256
-    step_interval_ms: float = 2.0
+    max_model_len: int
+    max_num_seqs: int
+    step_interval_ms: float
 
 
 @dataclass(frozen=True)
 class EngineClientSettings:
-    """One engine client's settings, made by `serve_app` from the application's config."""
+    """One engine client's settings, made by `serve_app` from the application's config (the one
+    home of their defaults: no field has one here)."""
 
     addresses: EngineAddresses
-    handshake_timeout_s: float = 900.0
-    health_check_interval_s: float = 1.0
-    health_check_timeout_s: float = 10.0
+    handshake_timeout_s: float
+    health_check_interval_s: float
+    health_check_timeout_s: float
     # How long a request waits for a starting engine before it gets a 503.
-    engine_wait_timeout_s: float = 30.0
+    engine_wait_timeout_s: float
     # Engine requests in flight on this engine; beyond, requests are refused (429).
-    max_in_flight: int = 1024
+    max_in_flight: int
     # Diagnostics: remember where the last N zero-copy frames lived.
-    trace_wire_frames: int = 0
+    trace_wire_frames: int
     # Set: this replica starts the built-in engine itself.
-    builtin_engine: BuiltinEngineOptions | None = None
+    builtin_engine: BuiltinEngineOptions | None
     # The engine's multimodal cache, mirrored to send images it holds by hash only.
-    mm_cache: EngineCacheSettings = EngineCacheSettings()
+    mm_cache: EngineCacheSettings
     # Set: this replica launches its engine on Ray (`vllm serve --headless`) and restarts it.
-    engine_launch: EngineLaunchOptions | None = None
+    engine_launch: EngineLaunchOptions | None
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,20 @@ class EngineLaunchOptions:
     # Ray resources of the engine: bundle 1 of the replica's placement group.
     resources: dict[str, float]
     env: dict[str, str]
-    restart_backoff_initial_s: float = 1.0
-    restart_backoff_max_s: float = 30.0
+    restart_backoff_initial_s: float
+    restart_backoff_max_s: float
+
+
+def engine_client_config(settings: EngineClientSettings, handshake: str) -> EngineClientConfig:
+    """The `EngineClient`'s part of `settings`, waiting for its engine on `handshake`."""
+    return EngineClientConfig(
+        addresses=dataclasses.replace(settings.addresses, handshake=handshake),
+        handshake_timeout_s=settings.handshake_timeout_s,
+        health_check_interval_s=settings.health_check_interval_s,
+        health_check_timeout_s=settings.health_check_timeout_s,
+        trace_frames=settings.trace_wire_frames,
+        mm_cache=settings.mm_cache,
+    )
 
 
 class EngineClientServer:
@@ -90,17 +103,7 @@ class EngineClientServer:
         self.dead_client: EngineClient | None = None
 
     def _new_client(self, handshake: str) -> EngineClient:
-        config = self.config
-        return EngineClient(
-            EngineClientConfig(
-                addresses=dataclasses.replace(config.addresses, handshake=handshake),
-                handshake_timeout_s=config.handshake_timeout_s,
-                health_check_interval_s=config.health_check_interval_s,
-                health_check_timeout_s=config.health_check_timeout_s,
-                trace_frames=config.trace_wire_frames,
-                mm_cache=config.mm_cache,
-            )
-        )
+        return EngineClient(engine_client_config(self.config, handshake))
 
     async def start(self) -> None:
         """Bind now; complete the handshake in the background (the engine may take minutes)."""

@@ -32,24 +32,24 @@ class PreprocessorSettings:
     model_dir: Path
     fetch: FetchPolicy
     limits: PreprocessorLimits
-    cache_bytes: int = 256 * 1024 * 1024
-    pixel_mode: str = "device_normalize"  # for the start-up log: the ingress asks per request
+    cache_bytes: int
+    pixel_mode: str  # for the start-up log: the ingress asks per request
 
 
 @dataclass(frozen=True)
 class PreprocessorScaling:
     """The deployment's CPU reservation, autoscaling and queue (`preprocessor.*` in the config)."""
 
-    num_cpus: float = 1.0
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_ongoing_requests: float = 2.0
-    upscale_delay_s: float = 2.0
-    downscale_delay_s: float = 10.0
-    look_back_period_s: float = 2.0
-    max_ongoing_requests: int = 8
+    num_cpus: float
+    min_replicas: int
+    max_replicas: int
+    target_ongoing_requests: float
+    upscale_delay_s: float
+    downscale_delay_s: float
+    look_back_period_s: float
+    max_ongoing_requests: int
     # Requests waiting for a preprocessor replica; beyond: 503 with Retry-After.
-    max_queued_requests: int = 64
+    max_queued_requests: int
 
     def options(self) -> dict[str, Any]:
         """`PreprocessorDeployment.options(...)` for this scaling."""

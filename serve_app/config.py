@@ -103,7 +103,11 @@ class EngineLaunchConfig(BaseModel):
     def cache_settings(self) -> tuple[float, Literal["lru", "shm"]]:
         """The engine's multimodal processor cache, from its flags (vLLM's defaults otherwise)."""
         args = {k.removeprefix("--").replace("_", "-"): v for k, v in self.engine_args.items()}
-        return float(args.get("mm-processor-cache-gb", 4.0)), args.get("mm-processor-cache-type", "lru")
+        defaults = EngineEndpoint.model_fields
+        return (
+            float(args.get("mm-processor-cache-gb", defaults["mm_processor_cache_gb"].default)),
+            args.get("mm-processor-cache-type", defaults["mm_processor_cache_type"].default),
+        )
 
 
 class LimitsConfig(BaseModel):

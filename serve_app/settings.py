@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import TypeVar
+
+from pydantic import BaseModel
+
 from deployments.engine_client_server import BuiltinEngineOptions, EngineClientSettings, EngineLaunchOptions
 from deployments.preprocessor import PreprocessorScaling, PreprocessorSettings
 from mmserve.engine import EngineAddresses
@@ -13,37 +18,26 @@ from mmserve.vision import ImageLimits
 
 from .config import AppConfig, EngineEndpoint
 
+Settings = TypeVar("Settings")
+
+
+def _same_fields(settings_class: type[Settings], section: BaseModel) -> Settings:
+    """`settings_class` (a dataclass) from the config section's fields of the same names."""
+    return settings_class(**{field.name: getattr(section, field.name) for field in fields(settings_class)})  # type: ignore[arg-type]
+
 
 def serving_settings(config: AppConfig) -> ServingSettings:
     """The ingress replicas' settings."""
-    limits = config.limits
     return ServingSettings(
         model_dir=config.model_dir,
         model_name=config.model_name,
-        limits=ServingLimits(
-            max_request_bytes=limits.max_request_bytes,
-            max_n=limits.max_n,
-            max_stop_strings=limits.max_stop_strings,
-            max_stop_string_chars=limits.max_stop_string_chars,
-            max_prompt_tokens=limits.max_prompt_tokens,
-            max_messages=limits.max_messages,
-            max_content_parts=limits.max_content_parts,
-            max_tools=limits.max_tools,
-            max_prompt_chars=limits.max_prompt_chars,
-            ingress_body_budget_bytes=limits.ingress_body_budget_bytes,
-            small_request_bytes=limits.small_request_bytes,
-            body_read_timeout_s=limits.body_read_timeout_s,
-        ),
+        limits=_same_fields(ServingLimits, config.limits),
         pixel_mode=config.images.pixel_mode,
         max_images_per_request=config.images.max_images_per_request,
         max_image_bytes=config.images.max_image_bytes,
         engine_wait_timeout_s=config.engine_wait_timeout_s,
         api_key=config.api_key,
-        routing=RoutingSettings(
-            affinity=config.routing.affinity,
-            max_imbalance=config.routing.max_imbalance,
-            affinity_entries=config.routing.affinity_entries,
-        ),
+        routing=_same_fields(RoutingSettings, config.routing),
     )
 
 
@@ -115,4 +109,4 @@ def preprocessor_settings(config: AppConfig) -> PreprocessorSettings:
 
 
 def preprocessor_scaling(config: AppConfig) -> PreprocessorScaling:
-    return PreprocessorScaling(**config.preprocessor.model_dump())
+    return _same_fields(PreprocessorScaling, config.preprocessor)

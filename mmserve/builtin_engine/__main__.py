@@ -25,9 +25,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--handshake", required=True, help="the front-end's handshake ROUTER, tcp://HOST:PORT")
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
                    help="directory with tokenizer.json and config.json (default: the bundled tiny Qwen2-VL)")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--step-interval-ms", type=float, default=2.0, help="time between decode steps")
+    # Required: the application passes its `builtin_engine.*` settings (defaults: serve_app/config.py).
+    p.add_argument("--max-model-len", type=int, required=True)
+    p.add_argument("--max-num-seqs", type=int, required=True)
+    p.add_argument("--step-interval-ms", type=float, required=True, help="time between decode steps")
     p.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank (the DEALER identity)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)

@@ -22,6 +22,30 @@ def _die_with_parent() -> None:
         pass
 
 
+def builtin_engine_command(
+    handshake: str,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    step_interval_ms: float,
+    model_dir: str | Path | None = None,
+    dp_rank: int | None = None,
+    python: str | None = None,
+) -> list[str]:
+    """The argv that starts a built-in engine process connecting to `handshake` (the sizes are the
+    application's `builtin_engine.*` settings, whose defaults live in serve_app/config.py)."""
+    cmd = [
+        python or sys.executable, "-m", "mmserve.builtin_engine", "--handshake", handshake,
+        "--max-model-len", str(max_model_len),
+        "--max-num-seqs", str(max_num_seqs),
+        "--step-interval-ms", str(step_interval_ms),
+    ]
+    for flag, value in (("--model-dir", model_dir), ("--dp-rank", dp_rank)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    return cmd
+
+
 @dataclass
 class BuiltinEngineProcess:
     process: subprocess.Popen[bytes]
@@ -40,14 +64,9 @@ class BuiltinEngineProcess:
         max_num_seqs: int,
         step_interval_ms: float,
     ) -> "BuiltinEngineProcess":
-        cmd = [
-            sys.executable, "-m", "mmserve.builtin_engine",
-            "--handshake", handshake,
-            "--model-dir", str(model_dir),
-            "--max-model-len", str(max_model_len),
-            "--max-num-seqs", str(max_num_seqs),
-            "--step-interval-ms", str(step_interval_ms),
-        ]
+        cmd = builtin_engine_command(
+            handshake, model_dir=model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs, step_interval_ms=step_interval_ms
+        )
         process = subprocess.Popen(cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None, env=os.environ.copy())
         return cls(process)
 

@@ -13,10 +13,11 @@ class BuiltinEngineSettings:
     """One built-in engine process's settings (its command line)."""
 
     handshake_address: str
+    # The application's `builtin_engine.*` settings (serve_app/config.py is their one home).
+    max_model_len: int
+    max_num_seqs: int
+    step_interval_ms: float
     model_dir: Path = DEFAULT_MODEL_DIR
-    max_model_len: int = 4096
-    max_num_seqs: int = 256
-    step_interval_ms: float = 2.0
     dp_rank: int = 0
     block_size: int = 16
     min_answer_tokens: int = 8

@@ -10,8 +10,8 @@ from .transport import EngineAddresses
 
 @dataclass(frozen=True)
 class EngineClientConfig:
-    """How one engine client waits and watches. The timeouts have no defaults here: the
-    application's config (`serve_app.config.AppConfig`) is their one home."""
+    """How one engine client waits and watches. No field has a default here: the application's
+    config (`serve_app.config.AppConfig`) is their one home."""
 
     addresses: EngineAddresses
     # vLLM loads the model before it answers; a large model can take minutes.
@@ -21,6 +21,6 @@ class EngineClientConfig:
     # model steps, so this must exceed the longest step (a long prefill on a big model).
     health_check_timeout_s: float
     # Diagnostics: keep the memory locations of the last N zero-copy frames sent (0 = off).
-    trace_frames: int = 0
+    trace_frames: int
     # The engine's multimodal processor cache (its launch flags): what the sender mirror copies.
-    mm_cache: EngineCacheSettings = EngineCacheSettings()
+    mm_cache: EngineCacheSettings

@@ -40,10 +40,10 @@ class EngineCacheSettings:
     """The engine's multimodal processor cache, as its `vllm serve` flags set it. The handshake does
     not carry these: they come from the engine's launch arguments (ours, or the operator's config)."""
 
-    # --mm-processor-cache-gb (vLLM's default: 4; 0 turns the cache off).
-    processor_cache_gb: float = 4.0
-    # --mm-processor-cache-type (vLLM's default: lru).
-    processor_cache_type: Literal["lru", "shm"] = "lru"
+    # --mm-processor-cache-gb (0 turns the cache off).
+    processor_cache_gb: float
+    # --mm-processor-cache-type.
+    processor_cache_type: Literal["lru", "shm"]
 
 
 def feature_key(feature: MultiModalFeatureSpec) -> str:

@@ -21,17 +21,18 @@ class FetchError(ValueError):
 
 @dataclass(frozen=True)
 class FetchPolicy:
-    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_bytes: int
     # Covers the whole fetch: name resolution, every redirect hop, and reading the body.
-    fetch_timeout_s: float = 10.0
-    max_redirects: int = 3
-    allowed_url_schemes: tuple[str, ...] = ("http", "https", "data")
-    allow_private_networks: bool = False
+    fetch_timeout_s: float
+    max_redirects: int
+    allow_private_networks: bool
     # Host names (matched exactly, case-insensitively), IP addresses or CIDR networks (matched against
     # every resolved address) that are exempt from the private-address refusal.
-    allowed_hosts: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...]
     # file:// URLs are refused unless this is set; then only files whose real path is under it are read.
-    allowed_local_dir: str | None = None
+    allowed_local_dir: str | None
+    # Not configurable: what this code can fetch, and how it names itself.
+    allowed_url_schemes: tuple[str, ...] = ("http", "https", "data")
     user_agent: str = "mmserve-image-fetch/0.1"
 
     _allowed_names: frozenset[str] = field(init=False, repr=False, compare=False)

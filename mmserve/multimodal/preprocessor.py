@@ -26,10 +26,10 @@ from .types import ImageBatchRequest, PixelMode, ProcessedImage, ProcessedImages
 
 @dataclass(frozen=True)
 class PreprocessorLimits:
-    max_images_per_request: int = 8
-    image: ImageLimits = ImageLimits()
-    # Pixels decoded at once per replica (`PixelBudget`): by default two of the largest images.
-    max_pixels_in_flight: int = 2 * ImageLimits().max_pixels
+    max_images_per_request: int
+    image: ImageLimits
+    # Pixels decoded at once per replica (`PixelBudget`).
+    max_pixels_in_flight: int
 
 
 class ProcessedImageCache:
@@ -77,7 +77,7 @@ class ProcessedImageCache:
 
 class ImagePreprocessor:
     def __init__(
-        self, family: ImageFamily, fetch_policy: FetchPolicy, limits: PreprocessorLimits, cache_bytes: int = 0
+        self, family: ImageFamily, fetch_policy: FetchPolicy, limits: PreprocessorLimits, cache_bytes: int
     ) -> None:
         self.family = family
         self.fetch_policy = fetch_policy

@@ -114,7 +114,7 @@ class EngineRouter:
         wait_timeout_s: float,
         refresh_interval_s: float = 1.0,
         info_timeout_s: float = 5.0,
-        routing: RoutingSettings = RoutingSettings(),
+        routing: RoutingSettings,
     ) -> None:
         self._engines = engines
         self._preprocessor = preprocessor

@@ -88,8 +88,9 @@ class OutputProcessor:
         prepared: PreparedRequest,
         response_type: Callable[..., Response],
         choice: Callable[[ChoiceResult], Any],
+        *,
+        model: str,
         extra: Callable[[], dict[str, Any]] = dict,
-        model: str = "",
     ) -> Response:
         """The non-streaming response of any endpoint: every choice collected, then usage.
         `extra()` is read after the engine has answered (the prompt may have grown by images)."""

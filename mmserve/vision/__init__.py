@@ -2,8 +2,8 @@
 
 numpy + Pillow only (never torch, transformers or vllm). One module per model family:
 
-    rgb = decode_rgb(data)                                   # image_io: limits, EXIF, mode -> RGB
-    header = read_header(data)                               # size without decoding
+    header = read_header(data, limits)                       # size without decoding; limits checked
+    rgb = decode_rgb(data, limits)                           # image_io: EXIF, mode -> RGB
     qwen = Qwen2VLSettings.from_file("preprocessor_config.json")
     qwen.num_image_tokens(header.width, header.height)       # before decoding
     image = qwen.process(rgb, PixelDtype.UINT8)              # pixel_values, image_grid_thw, num_tokens

@@ -42,9 +42,11 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class ImageLimits:
-    max_bytes: int = 32 * 1024 * 1024
-    # 50 megapixels decode to 150 MB of RGB; vLLM's own default (VLLM_MAX_IMAGE_PIXELS) is 178,956,970.
-    max_pixels: int = 50_000_000
+    """What an image may weigh, encoded and decoded; both checked before any pixel is decoded."""
+
+    max_bytes: int
+    # Width × height from the header (decompression bombs: 50 MP decode to 150 MB of RGB).
+    max_pixels: int
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class ImageHeader:
     height: int
 
 
-def read_header(data: bytes, limits: ImageLimits = ImageLimits()) -> ImageHeader:
+def read_header(data: bytes, limits: ImageLimits) -> ImageHeader:
     """Width, height (as displayed), format and mode, without decoding pixels; enforces the limits."""
     with _opened(data, limits) as image:
         width, height = image.size
@@ -66,12 +68,12 @@ def read_header(data: bytes, limits: ImageLimits = ImageLimits()) -> ImageHeader
         return ImageHeader(format=image.format or "", mode=image.mode, width=width, height=height)
 
 
-def decode_rgb(data: bytes, limits: ImageLimits = ImageLimits()) -> np.ndarray:
+def decode_rgb(data: bytes, limits: ImageLimits) -> np.ndarray:
     """Decode to an RGB uint8 array [H, W, 3] (C-contiguous, read-only), converting exactly as vLLM does."""
     return rgb_array(decode_image(data, limits))
 
 
-def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
+def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
     """The same decode and conversion as `decode_rgb`, as a loaded PIL image in mode RGB.
 
     The model families' `process` accepts it directly: with pillow-simd the resize then runs on it as it

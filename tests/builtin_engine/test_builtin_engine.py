@@ -20,7 +20,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from mmserve.builtin_engine import DEFAULT_MODEL_DIR, builtin_engine_command
-from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineDeadError, EngineError
+from mmserve.engine import EngineAddresses, EngineClient, EngineDeadError, EngineError
 from mmserve.engine.client import EngineState, _InFlight
 from mmserve.engine.outputs import RequestStream
 from mmserve.engine.transport import EngineTransport
@@ -37,6 +37,7 @@ from mmserve.wire import (
     WireTensor,
 )
 
+from tests.support.defaults import builtin_engine_argv, builtin_engine_settings, engine_client_config
 from tests.support.fatal_builtin_engine import fatal_engine_command
 
 MODEL_DIR = DEFAULT_MODEL_DIR
@@ -60,9 +61,7 @@ class Engine:
     def __init__(self, *, step_ms: float = 1.0, max_num_seqs: int = 256, env: dict | None = None, command=builtin_engine_command) -> None:
         self.handshake = f"tcp://127.0.0.1:{free_port()}"
         self.client = EngineClient(
-            EngineClientConfig(
-                EngineAddresses(self.handshake), handshake_timeout_s=60, health_check_interval_s=0.5, health_check_timeout_s=10
-            )
+            engine_client_config(EngineAddresses(self.handshake), handshake_timeout_s=60, health_check_interval_s=0.5, health_check_timeout_s=10)
         )
         self.client.bind()
         cmd = command(
@@ -437,7 +436,7 @@ async def test_the_production_engine_has_no_test_hook():
 async def test_fatal_error_frame_on_the_wire():
     handshake = f"tcp://127.0.0.1:{free_port()}"
     transport = EngineTransport(EngineAddresses(handshake))
-    proc = subprocess.Popen(fatal_engine_command(handshake))
+    proc = subprocess.Popen(builtin_engine_argv(handshake, command=fatal_engine_command))
     try:
         await transport.handshake(60)
         await transport.send(RequestEncoder().encode_utility(0, 1, "mmserve_test_fatal", []))
@@ -452,10 +451,11 @@ async def test_fatal_error_frame_on_the_wire():
 
 
 async def test_cli_rejects_bad_arguments():
-    result = subprocess.run(
-        [sys.executable, "-m", "mmserve.builtin_engine", "--handshake", "ipc:///nope"], capture_output=True, text=True
-    )
+    result = subprocess.run(builtin_engine_argv("ipc:///nope"), capture_output=True, text=True)
     assert result.returncode == 2 and "tcp://" in result.stderr
+    # The sizes come from the application's config: the command line has no defaults of its own.
+    result = subprocess.run([sys.executable, "-m", "mmserve.builtin_engine", "--handshake", "tcp://127.0.0.1:1"], capture_output=True, text=True)
+    assert result.returncode == 2 and "--max-model-len, --max-num-seqs, --step-interval-ms" in result.stderr
 
 
 # ----------------------------------------------------------------------------- vLLM's own codec
@@ -481,7 +481,7 @@ async def test_interop_with_vllm_codec(vllm_codec, tokenizer):
     v = vllm_codec
     handshake = f"tcp://127.0.0.1:{free_port()}"
     transport = EngineTransport(EngineAddresses(handshake))
-    proc = subprocess.Popen(builtin_engine_command(handshake, max_model_len=MAX_MODEL_LEN, step_interval_ms=1))
+    proc = subprocess.Popen(builtin_engine_argv(handshake, max_model_len=MAX_MODEL_LEN, step_interval_ms=1))
     decoder = v["MsgpackDecoder"](v["EngineCoreOutputs"])
     try:
         await transport.handshake(60)
@@ -590,9 +590,9 @@ async def test_interop_vllm_encoded_multimodal_request(vllm_codec, tokenizer):
 
 
 def test_ready_response_decodes_as_vllm_struct(vllm_codec):
-    from mmserve.builtin_engine import BuiltinEngine, BuiltinEngineSettings
+    from mmserve.builtin_engine import BuiltinEngine
 
-    eng = BuiltinEngine(BuiltinEngineSettings(handshake_address="tcp://127.0.0.1:1"))
+    eng = BuiltinEngine(builtin_engine_settings("tcp://127.0.0.1:1"))
     try:
         payload = msgspec.msgpack.encode(eng._ready_response())
         ready = msgspec.msgpack.decode(payload, type=vllm_codec["EngineCoreReadyResponse"])

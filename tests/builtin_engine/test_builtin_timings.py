@@ -7,7 +7,8 @@ import time
 import pytest
 
 from mmserve.builtin_engine import timings as timings_module
-from mmserve.builtin_engine import BuiltinEngine, BuiltinEngineSettings
+from mmserve.builtin_engine import BuiltinEngine
+from tests.support.defaults import builtin_engine_settings
 from mmserve.builtin_engine.wire_engine_side import ReceivedRequest, ReceivedSampling
 
 from tests.builtin_engine.test_builtin_engine import MODEL_DIR, Engine, make_request, run
@@ -49,7 +50,7 @@ def test_timings_are_bounded(monkeypatch):
     """The last TIMINGS_MAX_REQUESTS requests, the first TIMINGS_MAX_FRAMES frames of each."""
     monkeypatch.setattr(timings_module, "TIMINGS_MAX_REQUESTS", 3)
     monkeypatch.setattr(timings_module, "TIMINGS_MAX_FRAMES", 4)
-    eng = BuiltinEngine(BuiltinEngineSettings(handshake_address="tcp://127.0.0.1:1", model_dir=MODEL_DIR))
+    eng = BuiltinEngine(builtin_engine_settings("tcp://127.0.0.1:1", model_dir=MODEL_DIR))
     sent: list[dict] = []
     eng._send_outputs = lambda client_index, outputs: sent.append(outputs)  # no sockets
     try:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from deployments.engine_client_server import BuiltinEngineOptions, EngineClientServer, EngineClientSettings
+from deployments.engine_client_server import EngineClientServer, EngineClientSettings
 from mmserve.builtin_engine.settings import DEFAULT_MODEL_DIR
 from mmserve.engine import EngineAddresses
 from mmserve.engine.outputs import CallerChannel
 from mmserve.multimodal import ImagesRefused
 from mmserve.wire import EngineCoreRequest, SamplingParams
+from tests.support.defaults import builtin_engine_options, engine_client_settings
 
 
 def _request(request_id: str) -> EngineCoreRequest:
@@ -19,9 +20,9 @@ def _request(request_id: str) -> EngineCoreRequest:
 
 def _settings(max_model_len: int) -> EngineClientSettings:
     """An engine client that starts its own built-in engine."""
-    return EngineClientSettings(
+    return engine_client_settings(
         addresses=EngineAddresses("tcp://127.0.0.1:0"), handshake_timeout_s=120.0, engine_wait_timeout_s=120.0,
-        builtin_engine=BuiltinEngineOptions(model_dir=DEFAULT_MODEL_DIR, max_model_len=max_model_len),
+        builtin_engine=builtin_engine_options(model_dir=DEFAULT_MODEL_DIR, max_model_len=max_model_len),
     )
 
 

@@ -14,6 +14,7 @@ from PIL import Image
 
 from mmserve.multimodal import PixelMode, load_image_family, pixel_dtype_for
 from mmserve.vision import decode_rgb
+from tests.support.defaults import image_limits
 from serve_app.config import BUILTIN_MODEL_DIR
 
 pytestmark = pytest.mark.serve
@@ -33,7 +34,7 @@ def _data_uri(data: bytes, mime: str = "image/png") -> str:
 
 def _expected_proof(data: bytes, index: int) -> str:
     family = load_image_family(BUILTIN_MODEL_DIR)
-    image = family.process(decode_rgb(data), pixel_dtype_for(PixelMode.DEVICE_NORMALIZE, "bfloat16"))
+    image = family.process(decode_rgb(data, image_limits()), pixel_dtype_for(PixelMode.DEVICE_NORMALIZE, "bfloat16"))
     pixels = image.fields[0].array
     t, h, w = (int(v) for v in image.fields[1].array)
     digest = hashlib.sha256(pixels.tobytes()).hexdigest()[:16]

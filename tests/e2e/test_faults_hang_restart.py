@@ -141,10 +141,10 @@ def test_builtin_engine_killed_state_and_no_leaks(serve_instance):
 
 
 def _start_builtin(port: int) -> subprocess.Popen:
-    from mmserve.builtin_engine import builtin_engine_command
+    from tests.support.defaults import builtin_engine_argv
 
     return subprocess.Popen(
-        builtin_engine_command(f"tcp://127.0.0.1:{port}", step_interval_ms=5.0),
+        builtin_engine_argv(f"tcp://127.0.0.1:{port}", step_interval_ms=5.0),
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
 

@@ -18,10 +18,10 @@ BUILTIN = "mmserve-builtin"
 
 
 def _start_builtin(port: int) -> subprocess.Popen:
-    from mmserve.builtin_engine import builtin_engine_command
+    from tests.support.defaults import builtin_engine_argv
 
     return subprocess.Popen(
-        builtin_engine_command(f"tcp://127.0.0.1:{port}", step_interval_ms=2.0),
+        builtin_engine_argv(f"tcp://127.0.0.1:{port}", step_interval_ms=2.0),
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
 

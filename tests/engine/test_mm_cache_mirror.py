@@ -19,7 +19,8 @@ import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from mmserve.engine.mm_cache import GIB, EngineCacheSettings, SenderCacheMirror, item_size  # noqa: E402
+from mmserve.engine.mm_cache import GIB, SenderCacheMirror, item_size  # noqa: E402
+from tests.support.defaults import engine_cache_settings  # noqa: E402
 from mmserve.wire import FieldElem, FlatField, BatchedField, MultiModalFeatureSpec, PlaceholderRange, ReadyResponse, WireTensor  # noqa: E402
 
 # The reference implementation: installed by scripts/setup.sh; a missing vllm is a failure, not a skip.
@@ -181,10 +182,10 @@ def _ready(**kw) -> ReadyResponse:
 
 
 def test_engines_whose_cache_cannot_be_mirrored_get_full_data(caplog):
-    assert SenderCacheMirror.for_engine(EngineCacheSettings(), _ready()).capacity_bytes == 4 * GIB
-    assert SenderCacheMirror.for_engine(EngineCacheSettings(processor_cache_gb=0.5), _ready()).capacity_bytes == GIB // 2
+    assert SenderCacheMirror.for_engine(engine_cache_settings(), _ready()).capacity_bytes == 4 * GIB
+    assert SenderCacheMirror.for_engine(engine_cache_settings(processor_cache_gb=0.5), _ready()).capacity_bytes == GIB // 2
     with caplog.at_level("WARNING"):
-        assert SenderCacheMirror.for_engine(EngineCacheSettings(processor_cache_gb=0), _ready()) is None
-        assert SenderCacheMirror.for_engine(EngineCacheSettings(processor_cache_type="shm"), _ready()) is None
-        assert SenderCacheMirror.for_engine(EngineCacheSettings(), _ready(data_parallel_size=2)) is None
+        assert SenderCacheMirror.for_engine(engine_cache_settings(processor_cache_gb=0), _ready()) is None
+        assert SenderCacheMirror.for_engine(engine_cache_settings(processor_cache_type="shm"), _ready()) is None
+        assert SenderCacheMirror.for_engine(engine_cache_settings(), _ready(data_parallel_size=2)) is None
     assert caplog.text.count("sent in full") == 3

@@ -25,8 +25,9 @@ from PIL import Image
 
 from mmserve.fetch import local as local_module
 from mmserve.fetch import policy as policy_module
-from mmserve.fetch import FetchError, FetchPolicy, fetch_image_bytes
+from mmserve.fetch import FetchError, fetch_image_bytes
 from mmserve.vision.image_io import read_header
+from tests.support.defaults import fetch_policy, image_limits
 
 
 def png_bytes(width: int = 5, height: int = 3) -> bytes:
@@ -36,7 +37,7 @@ def png_bytes(width: int = 5, height: int = 3) -> bytes:
 
 
 PNG = png_bytes()
-LOCAL = FetchPolicy(allowed_hosts=("127.0.0.1",), fetch_timeout_s=5)
+LOCAL = fetch_policy(allowed_hosts=("127.0.0.1",), fetch_timeout_s=5)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -202,7 +203,7 @@ async def server():
 
 
 def test_policy_defaults():
-    policy = FetchPolicy()
+    policy = fetch_policy()
     assert policy.max_image_bytes == 20 * 1024 * 1024
     assert policy.fetch_timeout_s == 10
     assert policy.max_redirects == 3
@@ -216,23 +217,23 @@ def test_policy_defaults():
 
 def test_policy_rejects_nonsense():
     with pytest.raises(ValueError):
-        FetchPolicy(max_image_bytes=0)
+        fetch_policy(max_image_bytes=0)
     with pytest.raises(ValueError):
-        FetchPolicy(fetch_timeout_s=0)
+        fetch_policy(fetch_timeout_s=0)
     with pytest.raises(ValueError):
-        FetchPolicy(max_redirects=-1)
+        fetch_policy(max_redirects=-1)
 
 
 async def test_scheme_not_allowed(guard):
     for url in ("ftp://example.com/a.png", "gopher://x/", "javascript:alert(1)", "/relative.png", "img.png"):
         with pytest.raises(FetchError, match="scheme"):
-            await fetch_image_bytes(url, FetchPolicy(), client=guard, resolver=stub_resolver({}))
-    only_data = FetchPolicy(allowed_url_schemes=("data",))
+            await fetch_image_bytes(url, fetch_policy(), client=guard, resolver=stub_resolver({}))
+    only_data = fetch_policy(allowed_url_schemes=("data",))
     with pytest.raises(FetchError, match=r"scheme http: is not allowed"):
         await fetch_image_bytes("http://127.0.0.1/x.png", only_data, client=guard)
     with pytest.raises(FetchError, match=r"scheme data: is not allowed"):
         await fetch_image_bytes(
-            "data:image/png;base64," + base64.b64encode(PNG).decode(), FetchPolicy(allowed_url_schemes=("https",))
+            "data:image/png;base64," + base64.b64encode(PNG).decode(), fetch_policy(allowed_url_schemes=("https",))
         )
 
 
@@ -244,10 +245,10 @@ def data_uri(data: bytes, mime: str = "image/png") -> str:
 
 
 async def test_data_uri_ok():
-    assert await fetch_image_bytes(data_uri(PNG), FetchPolicy()) == PNG
-    assert await fetch_image_bytes(data_uri(PNG, "IMAGE/PNG"), FetchPolicy()) == PNG
-    assert await fetch_image_bytes(data_uri(PNG, "image/png;charset=x"), FetchPolicy()) == PNG
-    assert read_header(await fetch_image_bytes(data_uri(PNG), FetchPolicy())).width == 5
+    assert await fetch_image_bytes(data_uri(PNG), fetch_policy()) == PNG
+    assert await fetch_image_bytes(data_uri(PNG, "IMAGE/PNG"), fetch_policy()) == PNG
+    assert await fetch_image_bytes(data_uri(PNG, "image/png;charset=x"), fetch_policy()) == PNG
+    assert read_header(await fetch_image_bytes(data_uri(PNG), fetch_policy()), image_limits()).width == 5
 
 
 @pytest.mark.parametrize(
@@ -263,7 +264,7 @@ async def test_data_uri_ok():
 )
 async def test_data_uri_bad_base64(payload):
     with pytest.raises(FetchError, match="not valid base64"):
-        await fetch_image_bytes(f"data:image/png;base64,{payload}", FetchPolicy())
+        await fetch_image_bytes(f"data:image/png;base64,{payload}", fetch_policy())
 
 
 async def test_data_uri_too_big_refused_from_length_before_decoding(monkeypatch):
@@ -271,7 +272,7 @@ async def test_data_uri_too_big_refused_from_length_before_decoding(monkeypatch)
         raise AssertionError("base64 was decoded although the length already shows the image is too big")
 
     monkeypatch.setattr(local_module.base64, "b64decode", no_decode)
-    policy = FetchPolicy(max_image_bytes=1000)
+    policy = fetch_policy(max_image_bytes=1000)
     # Garbage payload: if the size were not checked first, the error would be about base64.
     with pytest.raises(FetchError, match="image exceeds 1000 bytes"):
         await fetch_image_bytes("data:image/png;base64," + "!" * 1400, policy)
@@ -280,7 +281,7 @@ async def test_data_uri_too_big_refused_from_length_before_decoding(monkeypatch)
 
 
 async def test_data_uri_size_boundary():
-    policy = FetchPolicy(max_image_bytes=1000)
+    policy = fetch_policy(max_image_bytes=1000)
     for size in (998, 999, 1000):  # every padding length
         assert await fetch_image_bytes(data_uri(b"\1" * size), policy) == b"\1" * size
     with pytest.raises(FetchError, match="exceeds"):
@@ -290,25 +291,25 @@ async def test_data_uri_size_boundary():
 @pytest.mark.parametrize("mime", ["text/plain", "application/octet-stream", "text/html", "imagex/png", "image/"])
 async def test_data_uri_wrong_mime(mime):
     with pytest.raises(FetchError, match="not an image type"):
-        await fetch_image_bytes(data_uri(PNG, mime), FetchPolicy())
+        await fetch_image_bytes(data_uri(PNG, mime), fetch_policy())
 
 
 async def test_data_uri_not_base64_or_malformed():
     with pytest.raises(FetchError, match="not base64-encoded"):
-        await fetch_image_bytes("data:image/png,%89PNG%0D%0A", FetchPolicy())
+        await fetch_image_bytes("data:image/png,%89PNG%0D%0A", fetch_policy())
     with pytest.raises(FetchError, match="no media type"):
-        await fetch_image_bytes("data:;base64," + base64.b64encode(PNG).decode(), FetchPolicy())
+        await fetch_image_bytes("data:;base64," + base64.b64encode(PNG).decode(), fetch_policy())
     with pytest.raises(FetchError, match="no comma"):
-        await fetch_image_bytes("data:image/png;base64", FetchPolicy())
+        await fetch_image_bytes("data:image/png;base64", fetch_policy())
     with pytest.raises(FetchError, match="empty"):
-        await fetch_image_bytes("data:image/png;base64,", FetchPolicy())
+        await fetch_image_bytes("data:image/png;base64,", fetch_policy())
 
 
 # ---------------------------------------------------------------------------------------- http: ok
 
 
 async def test_http_local_allowlisted_ok(server):
-    policy = FetchPolicy(allowed_hosts=("127.0.0.1",), user_agent="mmserve-test/1")
+    policy = fetch_policy(allowed_hosts=("127.0.0.1",), user_agent="mmserve-test/1")
     assert await fetch_image_bytes(server.url("/img"), policy) == PNG
     assert server.hits["/img"] == 1
     assert server.user_agents == ["mmserve-test/1"]
@@ -316,8 +317,8 @@ async def test_http_local_allowlisted_ok(server):
 
 
 async def test_http_allowlisted_by_cidr_and_by_private_flag(server):
-    assert await fetch_image_bytes(server.url("/img"), FetchPolicy(allowed_hosts=("127.0.0.0/8",))) == PNG
-    assert await fetch_image_bytes(server.url("/img"), FetchPolicy(allow_private_networks=True)) == PNG
+    assert await fetch_image_bytes(server.url("/img"), fetch_policy(allowed_hosts=("127.0.0.0/8",))) == PNG
+    assert await fetch_image_bytes(server.url("/img"), fetch_policy(allow_private_networks=True)) == PNG
 
 
 async def test_http_connects_to_the_vetted_ip_with_the_original_host_header(server):
@@ -333,16 +334,16 @@ async def test_http_connects_to_the_vetted_ip_with_the_original_host_header(serv
 
 async def test_http_allowlisted_by_host_name(server):
     resolver = stub_resolver({"img.test": ["127.0.0.1"]})
-    policy = FetchPolicy(allowed_hosts=("IMG.test",))
+    policy = fetch_policy(allowed_hosts=("IMG.test",))
     assert await fetch_image_bytes(server.url("/img", host="img.test"), policy, resolver=resolver) == PNG
     with pytest.raises(FetchError, match=r"loopback address \(127\.0\.0\.1\)"):
-        await fetch_image_bytes(server.url("/img", host="img.test"), FetchPolicy(), resolver=resolver)
+        await fetch_image_bytes(server.url("/img", host="img.test"), fetch_policy(), resolver=resolver)
 
 
 async def test_http_falls_back_to_the_next_vetted_address(server):
     # The first address refuses connections (nothing listens on 127.0.0.3:port), the second works.
     resolver = stub_resolver({"img.test": ["127.0.0.3", "127.0.0.1"]})
-    policy = FetchPolicy(allowed_hosts=("127.0.0.0/8",))
+    policy = fetch_policy(allowed_hosts=("127.0.0.0/8",))
     assert await fetch_image_bytes(server.url("/img", host="img.test"), policy, resolver=resolver) == PNG
 
 
@@ -351,12 +352,12 @@ async def test_http_falls_back_to_the_next_vetted_address(server):
 
 async def test_http_loopback_without_allowlist_refused_before_connecting(server, guard):
     with pytest.raises(FetchError, match=r"resolves to a loopback address \(127\.0\.0\.1\), which is not allowed"):
-        await fetch_image_bytes(server.url("/img"), FetchPolicy(), client=guard)
+        await fetch_image_bytes(server.url("/img"), fetch_policy(), client=guard)
     # Also with the function's own client: the server never sees a request.
     with pytest.raises(FetchError, match="loopback"):
-        await fetch_image_bytes(server.url("/img"), FetchPolicy())
+        await fetch_image_bytes(server.url("/img"), fetch_policy())
     with pytest.raises(FetchError, match="loopback"):
-        await fetch_image_bytes(server.url("/img", host="[::1]"), FetchPolicy())
+        await fetch_image_bytes(server.url("/img", host="[::1]"), fetch_policy())
     assert server.hits == {}
 
 
@@ -387,7 +388,7 @@ async def test_http_stub_name_resolving_to_non_public_address_refused(addresses,
     resolver = stub_resolver({"evil.example": addresses})
     for url in ("http://evil.example/cat.png", "https://evil.example/cat.png"):
         with pytest.raises(FetchError, match=reason):
-            await fetch_image_bytes(url, FetchPolicy(), client=guard, resolver=resolver)
+            await fetch_image_bytes(url, fetch_policy(), client=guard, resolver=resolver)
 
 
 @pytest.mark.parametrize(
@@ -402,7 +403,7 @@ async def test_http_stub_name_resolving_to_non_public_address_refused(addresses,
 async def test_http_ip_literals_refused_without_resolving(url, reason, guard):
     calls: list[str] = []
     with pytest.raises(FetchError, match=reason):
-        await fetch_image_bytes(url, FetchPolicy(), client=guard, resolver=stub_resolver({}, calls))
+        await fetch_image_bytes(url, fetch_policy(), client=guard, resolver=stub_resolver({}, calls))
     assert calls == []
 
 
@@ -417,7 +418,7 @@ async def test_http_public_address_goes_through_the_pinned_ip():
 
     resolver = stub_resolver({"cdn.example": ["93.184.216.34"]})
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        got = await fetch_image_bytes("https://cdn.example/a/b.png?x=1", FetchPolicy(), client=client, resolver=resolver)
+        got = await fetch_image_bytes("https://cdn.example/a/b.png?x=1", fetch_policy(), client=client, resolver=resolver)
     assert got == PNG
     (request,) = seen
     assert str(request.url) == "https://93.184.216.34/a/b.png?x=1"
@@ -427,10 +428,10 @@ async def test_http_public_address_goes_through_the_pinned_ip():
 
 async def test_http_unresolvable_host(guard):
     with pytest.raises(FetchError, match="cannot resolve image host nowhere.example"):
-        await fetch_image_bytes("http://nowhere.example/x.png", FetchPolicy(), client=guard, resolver=stub_resolver({}))
+        await fetch_image_bytes("http://nowhere.example/x.png", fetch_policy(), client=guard, resolver=stub_resolver({}))
     with pytest.raises(FetchError, match="cannot resolve"):
         await fetch_image_bytes(
-            "http://empty.example/x.png", FetchPolicy(), client=guard, resolver=stub_resolver({"empty.example": []})
+            "http://empty.example/x.png", fetch_policy(), client=guard, resolver=stub_resolver({"empty.example": []})
         )
 
 
@@ -443,18 +444,18 @@ async def test_http_credentials_in_url_refused(guard):
 
 
 async def test_redirects_followed_up_to_the_limit(server):
-    policy = FetchPolicy(allowed_hosts=("127.0.0.1",), max_redirects=3)
+    policy = fetch_policy(allowed_hosts=("127.0.0.1",), max_redirects=3)
     assert await fetch_image_bytes(server.url("/redirect/2"), policy) == PNG  # 3 redirects
     assert server.hits["/img"] == 1
 
 
 async def test_too_many_redirects(server):
-    policy = FetchPolicy(allowed_hosts=("127.0.0.1",), max_redirects=3)
+    policy = fetch_policy(allowed_hosts=("127.0.0.1",), max_redirects=3)
     with pytest.raises(FetchError, match="redirected more than 3 times"):
         await fetch_image_bytes(server.url("/redirect/3"), policy)  # 4 redirects
     assert "/img" not in server.hits
     with pytest.raises(FetchError, match="redirected more than 0 times"):
-        await fetch_image_bytes(server.url("/redirect/0"), FetchPolicy(allowed_hosts=("127.0.0.1",), max_redirects=0))
+        await fetch_image_bytes(server.url("/redirect/0"), fetch_policy(allowed_hosts=("127.0.0.1",), max_redirects=0))
 
 
 async def test_redirect_to_non_allowlisted_address_refused(server):
@@ -479,8 +480,8 @@ async def test_redirect_to_name_resolving_private_refused(server):
 async def test_redirect_scheme_rechecked(server):
     for loc in ("file:///etc/passwd", "data:image/png;base64,AAAA", "ftp://127.0.0.1/x"):
         with pytest.raises(FetchError, match=r"scheme file: is not allowed|scheme ftp: is not allowed|not an allowed http"):
-            await fetch_image_bytes(server.url(f"/to?loc={loc}"), FetchPolicy(allowed_hosts=("127.0.0.1",), allowed_local_dir="/"))
-    http_only = FetchPolicy(allowed_hosts=("127.0.0.1",), allowed_url_schemes=("http",))
+            await fetch_image_bytes(server.url(f"/to?loc={loc}"), fetch_policy(allowed_hosts=("127.0.0.1",), allowed_local_dir="/"))
+    http_only = fetch_policy(allowed_hosts=("127.0.0.1",), allowed_url_schemes=("http",))
     with pytest.raises(FetchError, match=r"scheme https: is not allowed"):
         await fetch_image_bytes(server.url(f"/to?loc=https://127.0.0.1:{server.port}/img"), http_only)
 
@@ -489,7 +490,7 @@ async def test_redirect_scheme_rechecked(server):
 
 
 async def test_declared_content_length_over_the_cap_refused_before_reading(server):
-    policy = FetchPolicy(allowed_hosts=("127.0.0.1",), max_image_bytes=1000, fetch_timeout_s=5)
+    policy = fetch_policy(allowed_hosts=("127.0.0.1",), max_image_bytes=1000, fetch_timeout_s=5)
     start = time.monotonic()
     with pytest.raises(FetchError, match=r"image exceeds 1000 bytes \(Content-Length is 50000000\)"):
         await asyncio.wait_for(fetch_image_bytes(server.url("/big-declared"), policy), 5)
@@ -497,7 +498,7 @@ async def test_declared_content_length_over_the_cap_refused_before_reading(serve
 
 
 async def test_streamed_body_over_the_cap_aborted(server):
-    policy = FetchPolicy(allowed_hosts=("127.0.0.1",), max_image_bytes=100_000, fetch_timeout_s=5)
+    policy = fetch_policy(allowed_hosts=("127.0.0.1",), max_image_bytes=100_000, fetch_timeout_s=5)
     start = time.monotonic()
     with pytest.raises(FetchError, match=r"^image exceeds 100000 bytes$"):
         await asyncio.wait_for(fetch_image_bytes(server.url("/big-stream"), policy), 5)
@@ -505,14 +506,14 @@ async def test_streamed_body_over_the_cap_aborted(server):
 
 
 async def test_body_exactly_at_the_cap_ok(server):
-    policy = FetchPolicy(allowed_hosts=("127.0.0.1",), max_image_bytes=len(PNG))
+    policy = fetch_policy(allowed_hosts=("127.0.0.1",), max_image_bytes=len(PNG))
     assert await fetch_image_bytes(server.url("/img"), policy) == PNG
     with pytest.raises(FetchError, match="exceeds"):
-        await fetch_image_bytes(server.url("/img"), FetchPolicy(allowed_hosts=("127.0.0.1",), max_image_bytes=len(PNG) - 1))
+        await fetch_image_bytes(server.url("/img"), fetch_policy(allowed_hosts=("127.0.0.1",), max_image_bytes=len(PNG) - 1))
 
 
 async def test_slow_server_times_out_within_policy(server):
-    policy = FetchPolicy(allowed_hosts=("127.0.0.1",), fetch_timeout_s=0.5)
+    policy = fetch_policy(allowed_hosts=("127.0.0.1",), fetch_timeout_s=0.5)
     start = time.monotonic()
     with pytest.raises(FetchError, match=r"^image fetch timed out after 0\.5 s$"):
         await asyncio.wait_for(fetch_image_bytes(server.url("/slow"), policy), 5)
@@ -522,7 +523,7 @@ async def test_slow_server_times_out_within_policy(server):
 async def test_timeout_covers_the_whole_fetch_not_each_read(server):
     # Every byte arrives within 50 ms, so a per-read timeout would never fire; the policy's timeout
     # is for the whole fetch.
-    policy = FetchPolicy(allowed_hosts=("127.0.0.1",), fetch_timeout_s=0.5)
+    policy = fetch_policy(allowed_hosts=("127.0.0.1",), fetch_timeout_s=0.5)
     start = time.monotonic()
     with pytest.raises(FetchError, match="timed out after 0.5 s"):
         # wait_for: without a whole-fetch timeout this would never end; fail instead of hanging.
@@ -537,7 +538,7 @@ async def test_timeout_covers_resolution(guard):
 
     with pytest.raises(FetchError, match="timed out after 0.3 s"):
         await asyncio.wait_for(
-            fetch_image_bytes("http://slow-dns.example/", FetchPolicy(fetch_timeout_s=0.3), client=guard, resolver=hanging), 5
+            fetch_image_bytes("http://slow-dns.example/", fetch_policy(fetch_timeout_s=0.3), client=guard, resolver=hanging), 5
         )
 
 
@@ -665,15 +666,15 @@ async def test_file_disabled_by_default(files):
     _, allowed = files
     url = (allowed / "cat.png").as_uri()
     with pytest.raises(FetchError, match=r"file:// image URLs are not allowed"):
-        await fetch_image_bytes(url, FetchPolicy())
+        await fetch_image_bytes(url, fetch_policy())
     # Listing "file" as a scheme does not enable it either: allowed_local_dir does.
     with pytest.raises(FetchError, match=r"file:// image URLs are not allowed"):
-        await fetch_image_bytes(url, FetchPolicy(allowed_url_schemes=("http", "https", "data", "file")))
+        await fetch_image_bytes(url, fetch_policy(allowed_url_schemes=("http", "https", "data", "file")))
 
 
 async def test_file_under_allowed_dir_ok(files):
     _, allowed = files
-    policy = FetchPolicy(allowed_local_dir=str(allowed))
+    policy = fetch_policy(allowed_local_dir=str(allowed))
     assert await fetch_image_bytes((allowed / "cat.png").as_uri(), policy) == PNG
     assert await fetch_image_bytes((allowed / "sub" / "dog.png").as_uri(), policy) == PNG
     assert await fetch_image_bytes(f"file://localhost{allowed}/cat.png", policy) == PNG
@@ -685,14 +686,14 @@ async def test_file_under_allowed_dir_ok(files):
 async def test_file_allowed_dir_given_through_a_symlink(files):
     tmp, allowed = files
     os.symlink(allowed, tmp / "link-to-allowed")
-    policy = FetchPolicy(allowed_local_dir=str(tmp / "link-to-allowed"))
+    policy = fetch_policy(allowed_local_dir=str(tmp / "link-to-allowed"))
     assert await fetch_image_bytes((allowed / "cat.png").as_uri(), policy) == PNG
     assert await fetch_image_bytes(f"file://{tmp}/link-to-allowed/cat.png", policy) == PNG
 
 
 async def test_file_dotdot_escape_refused(files):
     tmp, allowed = files
-    policy = FetchPolicy(allowed_local_dir=str(allowed))
+    policy = fetch_policy(allowed_local_dir=str(allowed))
     for url in (f"file://{allowed}/../secret.png", f"file://{allowed}/sub/../../secret.png", f"file://{allowed}/%2e%2e/secret.png"):
         with pytest.raises(FetchError, match="outside the allowed directory"):
             await fetch_image_bytes(url, policy)
@@ -709,14 +710,14 @@ async def test_file_prefix_sibling_refused(files):
     sibling.mkdir()
     (sibling / "x.png").write_bytes(PNG)
     with pytest.raises(FetchError, match="outside the allowed directory"):
-        await fetch_image_bytes((sibling / "x.png").as_uri(), FetchPolicy(allowed_local_dir=str(allowed)))
+        await fetch_image_bytes((sibling / "x.png").as_uri(), fetch_policy(allowed_local_dir=str(allowed)))
 
 
 async def test_file_symlink_escape_refused(files):
     tmp, allowed = files
     os.symlink(tmp / "secret.png", allowed / "innocent.png")
     os.symlink(tmp, allowed / "up")
-    policy = FetchPolicy(allowed_local_dir=str(allowed))
+    policy = fetch_policy(allowed_local_dir=str(allowed))
     with pytest.raises(FetchError, match="outside the allowed directory"):
         await fetch_image_bytes((allowed / "innocent.png").as_uri(), policy)
     with pytest.raises(FetchError, match="outside the allowed directory"):
@@ -727,12 +728,12 @@ async def test_file_too_big_refused_from_stat(files, monkeypatch):
     _, allowed = files
     (allowed / "huge.png").write_bytes(b"\0" * 2000)
     with pytest.raises(FetchError, match=r"image exceeds 1000 bytes \(file is 2000\)"):
-        await fetch_image_bytes((allowed / "huge.png").as_uri(), FetchPolicy(allowed_local_dir=str(allowed), max_image_bytes=1000))
+        await fetch_image_bytes((allowed / "huge.png").as_uri(), fetch_policy(allowed_local_dir=str(allowed), max_image_bytes=1000))
 
 
 async def test_file_other_refusals(files):
     _, allowed = files
-    policy = FetchPolicy(allowed_local_dir=str(allowed))
+    policy = fetch_policy(allowed_local_dir=str(allowed))
     with pytest.raises(FetchError, match="not found"):
         await fetch_image_bytes((allowed / "missing.png").as_uri(), policy)
     with pytest.raises(FetchError, match="not a regular file"):

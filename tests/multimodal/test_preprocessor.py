@@ -15,10 +15,10 @@ from PIL import Image
 from mmserve.multimodal import ImageBatchRequest, PixelMode, load_image_family
 from mmserve.multimodal import preprocessor as preprocessor_module
 from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError, PreprocessorBusyError, images_refused
-from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
-from mmserve.fetch import FetchPolicy
+from mmserve.multimodal.preprocessor import ImagePreprocessor
 from serve_app.config import BUILTIN_MODEL_DIR, AppConfig
 from serve_app.settings import preprocessor_settings
+from tests.support.defaults import fetch_policy, preprocessor_limits
 
 
 def _uri(width: int, height: int, seed: int) -> str:
@@ -31,8 +31,8 @@ def _preprocessor(
     cache_bytes: int = 64 * 1024 * 1024, max_images: int = 4, max_pixels_in_flight: int = 10**8
 ) -> ImagePreprocessor:
     family = load_image_family(BUILTIN_MODEL_DIR)
-    limits = PreprocessorLimits(max_images_per_request=max_images, max_pixels_in_flight=max_pixels_in_flight)
-    return ImagePreprocessor(family, FetchPolicy(), limits, cache_bytes)
+    limits = preprocessor_limits(max_images_per_request=max_images, max_pixels_in_flight=max_pixels_in_flight)
+    return ImagePreprocessor(family, fetch_policy(), limits, cache_bytes)
 
 
 def _request(urls: list[str], mode: PixelMode = PixelMode.DEVICE_NORMALIZE) -> ImageBatchRequest:

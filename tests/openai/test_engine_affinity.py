@@ -11,9 +11,9 @@ from mmserve.engine import EngineDeadError
 from mmserve.multimodal import ImageBatchRequest, PixelMode
 from mmserve.openai.engine_affinity import PREFIX_BLOCK_TOKENS, AffinityTable, affinity_keys, choose_engine, image_key
 from mmserve.openai.engine_router import EngineRouter, PendingImages
-from mmserve.openai.settings import RoutingSettings
 from mmserve.protocol import EngineEvent, EngineInfo
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
+from tests.support.defaults import routing_settings
 
 
 def _request(tokens: list[int], request_id: str = "r") -> EngineCoreRequest:
@@ -65,7 +65,7 @@ class Engine:
 
 
 def _router(engines, **routing) -> EngineRouter:
-    return EngineRouter(engines, wait_timeout_s=0.0, refresh_interval_s=0.0, routing=RoutingSettings(**routing))
+    return EngineRouter(engines, wait_timeout_s=0.0, refresh_interval_s=0.0, routing=routing_settings(**routing))
 
 
 async def _send(router: EngineRouter, tokens: list[int], images: PendingImages | None = None, request_id: str = "r") -> None:
@@ -78,7 +78,7 @@ def _prefix(seed: int, blocks: int) -> list[int]:
     return [rng.randrange(1, 50_000) for _ in range(blocks * PREFIX_BLOCK_TOKENS)]
 
 
-@pytest.mark.parametrize("bound", [4, RoutingSettings().max_imbalance])
+@pytest.mark.parametrize("bound", [4, routing_settings().max_imbalance])
 def test_repeated_images_and_prefixes_stay_on_their_first_engine_within_the_load_bound(bound):
     """Issue 11's routing criterion: a stream of overlapping requests (≈8 in flight), 40 images
     and 20 shared prompt prefixes repeated at random; ≥ 90 % of repeats go where the content went

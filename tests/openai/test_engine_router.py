@@ -13,6 +13,7 @@ from mmserve.openai.engine_router import EngineRouter, NoEngineAliveError, Pendi
 from mmserve.openai.errors import openai_error
 from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
+from tests.support.defaults import routing_settings
 
 
 def _request(request_id: str = "r") -> EngineCoreRequest:
@@ -67,7 +68,7 @@ class FakePreprocessing:
 
 
 def _router(engines, preprocessor=None, wait_timeout_s=0.0) -> EngineRouter:
-    return EngineRouter(engines, preprocessor=preprocessor, wait_timeout_s=wait_timeout_s, refresh_interval_s=0.0)
+    return EngineRouter(engines, preprocessor=preprocessor, wait_timeout_s=wait_timeout_s, refresh_interval_s=0.0, routing=routing_settings())
 
 
 def _collect(router: EngineRouter, images=None) -> list[EngineEvent]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from serve_app.config import AppConfig
+from serve_app.config import AppConfig, RoutingConfig
 from serve_app.settings import engine_client_settings, preprocessor_scaling, preprocessor_settings, serving_settings
 
 
@@ -51,7 +52,7 @@ def test_routing_settings_reach_the_router_and_bad_values_are_refused():
 
     from mmserve.openai.settings import RoutingSettings
 
-    assert serving_settings(AppConfig()).routing == RoutingSettings()
+    assert dataclasses.asdict(serving_settings(AppConfig()).routing) == RoutingConfig().model_dump()
     config = AppConfig.model_validate({"routing": '{"affinity": false, "max_imbalance": 0, "affinity_entries": 5}'})  # as from the CLI
     assert serving_settings(config).routing == RoutingSettings(affinity=False, max_imbalance=0, affinity_entries=5)
     for bad in ({"max_imbalance": -1}, {"affinity_entries": 0}, {"affinity_weight": 1}):

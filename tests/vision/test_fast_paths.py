@@ -20,6 +20,9 @@ from mmserve.vision.hashing import content_hash
 from mmserve.vision.image_io import channel_planes, decode_image, rgb_array
 from mmserve.vision.pixels import cast_float32, lookup_tables
 from mmserve.vision.resize import CropBox, resize_channels
+from tests.support.defaults import image_limits
+
+LIMITS = image_limits()
 
 torch.set_num_threads(1)
 
@@ -123,7 +126,7 @@ SHAPES = [(480, 640), (960, 1280), (280, 448), (336, 336), (30, 30), (57, 901), 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_process_pil_image_equals_process_array(shape):
     data = encode(Image.fromarray(photo(sum(shape), *shape)), "JPEG", quality=90)
-    rgb, image = decode_rgb(data), decode_image(data)
+    rgb, image = decode_rgb(data, LIMITS), decode_image(data, LIMITS)
     assert image.mode == "RGB" and image.size == (rgb.shape[1], rgb.shape[0])
     assert np.array_equal(rgb_array(image), rgb)
     assert np.array_equal(np.stack(channel_planes(image)), rgb.transpose(2, 0, 1))
@@ -141,12 +144,12 @@ def test_process_pil_image_equals_process_array(shape):
 
 def test_decode_image_survives_the_source_and_is_independent():
     data = encode(Image.fromarray(photo(1, 50, 70)), "PNG")
-    first = decode_image(data)
-    second = decode_image(data)
-    assert np.array_equal(rgb_array(first), decode_rgb(data))
+    first = decode_image(data, LIMITS)
+    second = decode_image(data, LIMITS)
+    assert np.array_equal(rgb_array(first), decode_rgb(data, LIMITS))
     first.paste((0, 0, 0), (0, 0, 10, 10))
     assert not np.array_equal(rgb_array(first), rgb_array(second))
-    assert np.array_equal(rgb_array(second), decode_rgb(data))
+    assert np.array_equal(rgb_array(second), decode_rgb(data, LIMITS))
 
 
 import vllm.multimodal.media.image as vllm_image  # noqa: E402  (the reference; installed by setup)
@@ -160,8 +163,8 @@ def test_every_exif_orientation_like_vllm(fmt, orientation):
     exif[0x0112] = orientation
     data = encode(image, fmt, exif=exif.tobytes(), **({"lossless": True} if fmt == "WEBP" else {}))
     theirs = np.asarray(vllm_image.ImageMediaIO().load_bytes(data).media)
-    assert np.array_equal(decode_rgb(data), theirs)
-    assert np.array_equal(rgb_array(decode_image(data)), theirs)
+    assert np.array_equal(decode_rgb(data, LIMITS), theirs)
+    assert np.array_equal(rgb_array(decode_image(data, LIMITS)), theirs)
 
 
 def torch_resize(rgb: np.ndarray, height: int, width: int) -> np.ndarray:

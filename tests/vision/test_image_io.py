@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmserve.vision.image_io import ImageError, ImageLimits, decode_rgb, read_header
+from mmserve.vision.image_io import ImageError, decode_rgb, read_header
+from tests.support.defaults import image_limits
+
+LIMITS = image_limits()
 
 import vllm.multimodal.media.image as vllm_image  # noqa: E402  (the reference; installed by setup)
 
@@ -77,17 +80,17 @@ CASES = [
 def test_decode_matches_vllm(index):
     mode, fmt, options = CASES[index]
     data = encode(mode_image(mode, index), fmt, **options)
-    ours = decode_rgb(data)
+    ours = decode_rgb(data, LIMITS)
     theirs = vllm_decode(data)
     assert ours.dtype == np.uint8 and ours.shape == theirs.shape and ours.flags.c_contiguous
     assert np.array_equal(ours, theirs)
-    header = read_header(data)
+    header = read_header(data, LIMITS)
     assert (header.height, header.width) == ours.shape[:2]
 
 
 def test_rgb_with_png_transparency_key_matches_vllm():
     data = encode(Image.fromarray(base_rgb(5, 20, 30)), "PNG", transparency=(0, 0, 0))
-    assert np.array_equal(decode_rgb(data), vllm_decode(data))
+    assert np.array_equal(decode_rgb(data, LIMITS), vllm_decode(data))
 
 
 def test_animated_gif_first_frame():
@@ -95,7 +98,7 @@ def test_animated_gif_first_frame():
     buffer = io.BytesIO()
     frames[0].save(buffer, "GIF", save_all=True, append_images=frames[1:], duration=50)
     data = buffer.getvalue()
-    assert np.array_equal(decode_rgb(data), vllm_decode(data))
+    assert np.array_equal(decode_rgb(data, LIMITS), vllm_decode(data))
 
 
 @pytest.mark.parametrize("orientation", [1, 3, 6, 8])
@@ -104,31 +107,31 @@ def test_exif_orientation_is_applied_like_vllm(orientation):
     exif = Image.Exif()
     exif[0x0112] = orientation
     data = encode(image, "JPEG", exif=exif.tobytes(), quality=95)
-    ours, theirs = decode_rgb(data), vllm_decode(data)
+    ours, theirs = decode_rgb(data, LIMITS), vllm_decode(data)
     assert np.array_equal(ours, theirs)
-    header = read_header(data)
+    header = read_header(data, LIMITS)
     assert (header.height, header.width) == theirs.shape[:2]
     assert (header.width, header.height) == ((30, 50) if orientation in (6, 8) else (50, 30))
 
 
 def test_non_image_bytes():
     with pytest.raises(ImageError, match="not a JPEG"):
-        decode_rgb(b"this is not an image at all" * 10)
+        decode_rgb(b"this is not an image at all" * 10, LIMITS)
     with pytest.raises(ImageError):
-        decode_rgb(b"")
+        decode_rgb(b"", LIMITS)
 
 
 def test_disallowed_format():
     data = encode(Image.fromarray(base_rgb(1, 10, 10)), "TIFF")
     with pytest.raises(ImageError):
-        decode_rgb(data)
+        decode_rgb(data, LIMITS)
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
 def test_truncated(fmt):
     data = encode(Image.fromarray(base_rgb(2, 200, 300)), fmt)
     with pytest.raises(ImageError):
-        decode_rgb(data[: len(data) // 2])
+        decode_rgb(data[: len(data) // 2], LIMITS)
 
 
 def png_claiming(width: int, height: int) -> bytes:
@@ -146,23 +149,23 @@ def test_decompression_bomb_header_is_refused_before_decoding():
     data = png_claiming(50_000, 50_000)
     assert len(data) < 200
     with pytest.raises(ImageError, match="pixels"):
-        read_header(data)
+        read_header(data, LIMITS)
     with pytest.raises(ImageError, match="pixels"):
-        decode_rgb(data)
+        decode_rgb(data, LIMITS)
 
 
 def test_pixel_limit_is_ours():
     data = encode(Image.fromarray(base_rgb(3, 100, 100)), "PNG")
-    limits = ImageLimits(max_pixels=100 * 100 - 1)
+    limits = image_limits(max_pixels=100 * 100 - 1)
     with pytest.raises(ImageError, match="over the limit"):
         decode_rgb(data, limits)
-    assert decode_rgb(data, ImageLimits(max_pixels=100 * 100)).shape == (100, 100, 3)
+    assert decode_rgb(data, image_limits(max_pixels=100 * 100)).shape == (100, 100, 3)
 
 
 def test_byte_limit():
     data = encode(Image.fromarray(base_rgb(4, 100, 100)), "BMP")
     with pytest.raises(ImageError, match="bytes"):
-        decode_rgb(data, ImageLimits(max_bytes=len(data) - 1))
+        decode_rgb(data, image_limits(max_bytes=len(data) - 1))
 
 
 def test_image_error_is_a_value_error():

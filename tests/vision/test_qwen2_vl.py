@@ -11,6 +11,9 @@ from transformers import Qwen2VLImageProcessor
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize
 
 from mmserve.vision import PixelDtype, Qwen2VLSettings, decode_rgb, read_header, smart_resize
+from tests.support.defaults import image_limits
+
+LIMITS = image_limits()
 
 torch.set_num_threads(1)
 
@@ -107,8 +110,8 @@ def test_num_image_tokens_from_header(processor, settings, index):
     height, width = SIZES[index]
     buffer = io.BytesIO()
     Image.fromarray(make_image(index, height, width)).save(buffer, "PNG")
-    header = read_header(buffer.getvalue())
-    _, grid = reference(processor, decode_rgb(buffer.getvalue()), do_rescale=False, do_normalize=False)
+    header = read_header(buffer.getvalue(), LIMITS)
+    _, grid = reference(processor, decode_rgb(buffer.getvalue(), LIMITS), do_rescale=False, do_normalize=False)
     assert settings.num_image_tokens(header.width, header.height) == int(grid.prod()) // 4
     assert settings.num_image_tokens(width, height) * 4 == processor.get_number_of_image_patches(height, width)
 

@@ -22,15 +22,15 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from mmserve.engine import admit  # noqa: E402
 from mmserve.multimodal import ImageBatchRequest, attach_images, load_image_family  # noqa: E402
-from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits  # noqa: E402
+from mmserve.multimodal.preprocessor import ImagePreprocessor  # noqa: E402
 from mmserve.protocol import EngineEvent  # noqa: E402
-from mmserve.fetch import FetchPolicy  # noqa: E402
 from mmserve.wire import EngineCoreOutput, FinishReason, OutputDecoder, RequestEncoder  # noqa: E402
 from mmserve.openai.engine_router import EngineLimits  # noqa: E402
 from mmserve.openai.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from mmserve.openai.serving import OpenAIServer  # noqa: E402
 from serve_app.config import BUILTIN_MODEL_DIR, AppConfig  # noqa: E402
 from serve_app.settings import serving_settings  # noqa: E402
+from tests.support.defaults import fetch_policy, preprocessor_limits  # noqa: E402
 
 # The reference implementation: installed by scripts/setup.sh; a missing vllm is a failure, not a skip.
 import torch  # noqa: E402
@@ -51,7 +51,7 @@ class CapturingRouter:
 
     def __init__(self) -> None:
         self.requests = []
-        self.preprocessor = ImagePreprocessor(load_image_family(BUILTIN_MODEL_DIR), FetchPolicy(), PreprocessorLimits())
+        self.preprocessor = ImagePreprocessor(load_image_family(BUILTIN_MODEL_DIR), fetch_policy(), preprocessor_limits(), cache_bytes=0)
 
     async def limits(self, wait: bool = True) -> EngineLimits:
         return EngineLimits(max_model_len=MAX_MODEL_LEN, engine_kind="vllm", dtype="bfloat16")
