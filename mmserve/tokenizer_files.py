@@ -189,12 +189,6 @@ class TokenizerConfig:
     split_special_tokens: bool = False
     has_auto_map: bool = False
 
-    def special_token(self, name: str) -> str | None:
-        for key, value in self.named_special_tokens:
-            if key == name:
-                return value
-        return None
-
 
 def _token_content(value: Any) -> str | None:
     """Special tokens are stored either as plain strings or as serialized

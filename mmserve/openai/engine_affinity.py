@@ -83,9 +83,6 @@ class AffinityTable:
     def __contains__(self, key: bytes | int) -> bool:
         return key in self._engine_of
 
-    def engine_of(self, key: bytes | int) -> int | None:
-        return self._engine_of.get(key)
-
     def record(self, keys: AffinityKeys, engine: int) -> None:
         """`engine` was given the request. Keys another engine holds stay with it (only touched):
         a repeat sent elsewhere because its engine was past the bound goes back there once the

@@ -58,10 +58,6 @@ class IncrementalDetokenizer:
             self._last_was_added = added is not None
         return text or ""
 
-    def push(self, token_ids: list[int]) -> str:
-        """Decode several ids; the concatenation of their ``decode_next`` texts."""
-        return "".join([self.decode_next(t) for t in token_ids])
-
     def _step(self, token_id: int) -> str | None:
         try:
             return self._stream.step(self._backend, token_id)

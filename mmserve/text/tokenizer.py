@@ -20,7 +20,6 @@ identical ids and text. What transformers does on top of ``tokenizer.json``, rep
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import tokenizers
 import tokenizers.decoders
@@ -64,10 +63,6 @@ class Tokenizer:
     @classmethod
     def from_model_files(cls, files: ModelFiles) -> "Tokenizer":
         return cls(build_backend(files), files.tokenizer_config)
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
-        return cls.from_model_files(ModelFiles.load(path))
 
     def _named_id(self, name: str) -> int | None:
         token = self.special_tokens.get(name)

@@ -14,7 +14,7 @@ from .image_io import ImageError, ImageHeader, ImageLimits, decode_image, decode
 from .llava import LlavaImage, LlavaSettings
 from .pixels import Normalization, PixelDtype
 from .qwen2_vl import Qwen2VLImage, Qwen2VLSettings, smart_resize
-from .resize import pillow_simd_active, resize_path, resize_rgb
+from .resize import pillow_simd_active, resize_path
 
 __all__ = [
     "ImageError",
@@ -31,6 +31,5 @@ __all__ = [
     "read_header",
     "pillow_simd_active",
     "resize_path",
-    "resize_rgb",
     "smart_resize",
 ]

@@ -130,10 +130,6 @@ class Qwen2VLSettings:
             _resized=planes,
         )
 
-    def _patchify(self, planes: np.ndarray) -> np.ndarray:
-        """[C, H, W] -> [grid_h * grid_w, C * T * p * p] (see `_patchify_planes`)."""
-        return self._patchify_planes(list(planes))
-
     def _patchify_planes(self, planes: Sequence[np.ndarray]) -> np.ndarray:
         """C planes [H, W] -> [grid_h * grid_w, C * T * p * p] in the processor's order, one copy.
 

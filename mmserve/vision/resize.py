@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CropBox", "resize_channels", "resize_planes", "resize_rgb", "pillow_simd_active", "resize_path"]
+__all__ = ["CropBox", "resize_channels", "pillow_simd_active", "resize_path"]
 
 # Outputs per dense weight block. A block of n outputs reads about n * scale + taps inputs, so smaller
 # blocks waste fewer multiplications on the zeros outside the band, larger ones make fewer, better-shaped
@@ -238,33 +238,11 @@ class CropBox:
     width: int
 
 
-def resize_planes(rgb: np.ndarray, height: int, width: int, crop: CropBox | None = None) -> np.ndarray:
-    """Resize an RGB uint8 [H, W, 3] image to (height, width) exactly as torch does; uint8 [3, h, w].
-
-    Channels-first because that is what the model modules want next (patchify, normalise); the result
-    may be a non-contiguous view when nothing had to be resized. With `crop`, only that window of the
-    resized image is computed (each output pixel depends only on its own neighbourhood, so this is
-    exact and saves the work a centre crop would throw away).
-    """
-    _check_rgb(rgb)
-    in_h, in_w = rgb.shape[:2]
-    if height <= 0 or width <= 0:
-        raise ValueError(f"target size must be positive, got {height}x{width}")
-    box = crop or CropBox(0, 0, height, width)
-    if box.top < 0 or box.left < 0 or box.top + box.height > height or box.left + box.width > width:
-        raise ValueError(f"crop {box} is outside the {height}x{width} resized image")
-
-    if (in_h, in_w) == (height, width):
-        window = rgb
-    elif _use_pillow_simd():
-        window = _pillow_resize(rgb, height, width)
-    else:
-        return _numpy_resize_planes(rgb, height, width, box)
-    return window[box.top : box.top + box.height, box.left : box.left + box.width].transpose(2, 0, 1)
-
-
 def resize_channels(image, height: int, width: int, crop: CropBox | None = None) -> tuple[np.ndarray, ...]:
-    """`resize_planes` for the model pipelines: the R, G and B planes, each a C-contiguous uint8 [h, w].
+    """Resize an RGB image to (height, width) exactly as torch does: the R, G and B planes, each a
+    C-contiguous uint8 [h, w] (channels-first: what the model modules want next). With `crop`, only
+    that window of the resized image is computed (each output pixel depends only on its own
+    neighbourhood, so this is exact and saves the work a centre crop would throw away).
 
     `image` is an RGB uint8 array [H, W, 3] or an RGB PIL image (`image_io.decode_image`). With
     pillow-simd a PIL image is resized as it is (no copy out to numpy and back), and the planes are
@@ -305,11 +283,6 @@ def resize_channels(image, height: int, width: int, crop: CropBox | None = None)
         return tuple(_numpy_resize_planes(image, height, width, box))  # views of one contiguous [3, h, w]
     window = image[box.top : box.top + box.height, box.left : box.left + box.width]
     return tuple(np.ascontiguousarray(window[:, :, channel]) for channel in range(3))
-
-
-def resize_rgb(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Resize an RGB uint8 [H, W, 3] image to (height, width) exactly as torch does; uint8 [h, w, 3]."""
-    return np.ascontiguousarray(resize_planes(rgb, height, width).transpose(1, 2, 0))
 
 
 def _numpy_resize_planes(rgb: np.ndarray, height: int, width: int, box: CropBox) -> np.ndarray:

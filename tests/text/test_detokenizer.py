@@ -5,13 +5,14 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from mmserve.model_files import ModelFiles
 from mmserve.text import IncrementalDetokenizer, Tokenizer
 
 from tests.text.vllm_reference_text import MULTIBYTE, random_ids as _random_ids, vllm_detokenizer as _vllm_detokenizer
 
 
 def test_multibyte_stream_never_emits_replacement_char(model_dir: Path) -> None:
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = Tokenizer.from_model_files(ModelFiles.load(model_dir))
     ids = tokenizer.encode(MULTIBYTE, add_special_tokens=False)
     assert len(ids) > len(MULTIBYTE) // 2  # really split into byte pieces
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Prompt:", add_special_tokens=False))
@@ -21,7 +22,7 @@ def test_multibyte_stream_never_emits_replacement_char(model_dir: Path) -> None:
 
 
 def test_detokenizer_matches_vllm_random(model_dir: Path, hf_tokenizer, corpus: list[str]) -> None:
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = Tokenizer.from_model_files(ModelFiles.load(model_dir))
     pool = tokenizer.encode(" ".join(corpus) + MULTIBYTE, add_special_tokens=False)
     special = sorted(tokenizer.added_tokens)
     rng = random.Random(1234)

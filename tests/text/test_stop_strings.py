@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from types import SimpleNamespace
 
+from mmserve.model_files import ModelFiles
 from mmserve.text import (
     IncrementalDetokenizer,
     SequenceText,
@@ -47,7 +48,7 @@ def _stop_strings_from(rng: random.Random, text: str) -> list[str]:
 
 def test_sequence_text_matches_vllm_random(model_dir: Path, hf_tokenizer, corpus: list[str]) -> None:
     """Stop strings, hold-back, min_tokens, EOS exclusion, multi-token steps."""
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = Tokenizer.from_model_files(ModelFiles.load(model_dir))
     pool = tokenizer.encode(" ".join(corpus) + MULTIBYTE, add_special_tokens=False)
     special = sorted(tokenizer.added_tokens)
     eos = tokenizer.eos_token_id

@@ -20,14 +20,14 @@ EXTRA_TEXTS = [
 
 
 def test_encode_matches_transformers(model_dir: Path, hf_tokenizer, corpus: list[str]) -> None:
-    tok = Tokenizer.from_dir(model_dir)
+    tok = Tokenizer.from_model_files(ModelFiles.load(model_dir))
     for text in corpus + EXTRA_TEXTS:
         for add_special in (False, True):
             assert tok.encode(text, add_special) == hf_tokenizer.encode(text, add_special_tokens=add_special), text
 
 
 def test_special_ids_and_sizes_match_transformers(model_dir: Path, hf_tokenizer) -> None:
-    tok = Tokenizer.from_dir(model_dir)
+    tok = Tokenizer.from_model_files(ModelFiles.load(model_dir))
     assert tok.eos_token_id == hf_tokenizer.eos_token_id
     assert tok.bos_token_id == hf_tokenizer.bos_token_id
     assert tok.pad_token_id == hf_tokenizer.pad_token_id
@@ -39,7 +39,7 @@ def test_special_ids_and_sizes_match_transformers(model_dir: Path, hf_tokenizer)
 
 
 def test_decode_matches_transformers(model_dir: Path, hf_tokenizer) -> None:
-    tok = Tokenizer.from_dir(model_dir)
+    tok = Tokenizer.from_model_files(ModelFiles.load(model_dir))
     rng = random.Random(0)
     ids = list(hf_tokenizer.get_vocab().values())
     for _ in range(200):
@@ -51,7 +51,7 @@ def test_decode_matches_transformers(model_dir: Path, hf_tokenizer) -> None:
 def test_model_files(model_dir: Path) -> None:
     files = ModelFiles.load(model_dir)
     assert files.chat_template is not None
-    assert files.tokenizer_config.special_token("eos_token") is not None
+    assert dict(files.tokenizer_config.named_special_tokens).get("eos_token") is not None
     assert files.generation_config.eos_token_ids or files.model_config.model_type == "llama"
 
 

@@ -27,7 +27,7 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     from vllm.tokenizers import get_tokenizer
 
     hf = get_tokenizer(str(path))  # vLLM's loader: AutoTokenizer.from_pretrained + its cache wrapper
-    return request.param, path, hf, Tokenizer.from_dir(path)
+    return request.param, path, hf, Tokenizer.from_model_files(ModelFiles.load(path))
 
 
 def _corpus_for(hf) -> list[str]:
@@ -106,7 +106,7 @@ def test_issue_example_request_00001(tmp_path: Path) -> None:
     import tokenizers
 
     path = qwen2_vl_plain_bytelevel(tmp_path / "m")
-    tok = Tokenizer.from_dir(path)
+    tok = Tokenizer.from_model_files(ModelFiles.load(path))
     digits = [tok.token_to_id(d) for d in "01"]
     assert tok.encode("Request 00001", add_special_tokens=False)[-5:] == [digits[0]] * 4 + [digits[1]]
     # What following tokenizer.json would give (the bug): merged digits.

@@ -4,7 +4,18 @@ import numpy as np
 import pytest
 import torch
 
-from mmserve.vision.resize import CropBox, axis_weights, pillow_simd_active, resize_planes, resize_rgb
+from mmserve.vision import resize as resize_module
+from mmserve.vision.resize import CropBox, axis_weights, pillow_simd_active, resize_channels
+
+
+def resize_rgb(rgb: np.ndarray, height: int, width: int, crop: CropBox | None = None) -> np.ndarray:
+    """`resize_channels` on the numpy path (the quick start's, without pillow-simd, which this venv
+    has: tests/vision/test_fast_paths.py compares that one) as one [h, w, 3] image."""
+    verdict, resize_module._pillow_simd_verdict = resize_module._pillow_simd_verdict, False
+    try:
+        return np.stack(resize_channels(rgb, height, width, crop), axis=-1)
+    finally:
+        resize_module._pillow_simd_verdict = verdict
 
 torch.set_num_threads(1)
 
@@ -84,7 +95,7 @@ def test_cropped_resize_is_the_window_of_the_full_resize(index):
     rgb = make_image(100 + index, in_h, in_w)
     reference = torch_resize(rgb, out_h, out_w)
     crop = CropBox(top=out_h // 3, left=out_w // 4, height=max(1, out_h // 2), width=max(1, out_w // 2))
-    window = resize_planes(rgb, out_h, out_w, crop).transpose(1, 2, 0)
+    window = resize_rgb(rgb, out_h, out_w, crop)
     expected = reference[crop.top : crop.top + crop.height, crop.left : crop.left + crop.width]
     assert np.array_equal(window, expected)
 
