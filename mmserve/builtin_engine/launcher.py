@@ -29,20 +29,17 @@ def builtin_engine_command(
     max_num_seqs: int,
     step_interval_ms: float,
     model_dir: str | Path | None = None,
-    dp_rank: int | None = None,
-    python: str | None = None,
 ) -> list[str]:
     """The argv that starts a built-in engine process connecting to `handshake` (the sizes are the
     application's `builtin_engine.*` settings, whose defaults live in serve_app/config.py)."""
     cmd = [
-        python or sys.executable, "-m", "mmserve.builtin_engine", "--handshake", handshake,
+        sys.executable, "-m", "mmserve.builtin_engine", "--handshake", handshake,
         "--max-model-len", str(max_model_len),
         "--max-num-seqs", str(max_num_seqs),
         "--step-interval-ms", str(step_interval_ms),
     ]
-    for flag, value in (("--model-dir", model_dir), ("--dp-rank", dp_rank)):
-        if value is not None:
-            cmd += [flag, str(value)]
+    if model_dir is not None:
+        cmd += ["--model-dir", str(model_dir)]
     return cmd
 
 

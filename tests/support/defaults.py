@@ -9,7 +9,6 @@ it runs against the defaults users get (and a changed default reaches every test
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -73,22 +72,17 @@ def engine_client_config(addresses: EngineAddresses, **changes: Any) -> EngineCl
     return replace(server_engine_client_config(settings, addresses.handshake), **changes)
 
 
-def builtin_engine_settings(handshake_address: str, *, model_dir: Path | None = None, **changes: Any) -> BuiltinEngineSettings:
-    """One built-in engine process's settings, as its engine client starts it."""
+def _builtin_engine_sizes() -> dict[str, Any]:
+    """The built-in engine's sizes as its engine client passes them (max_model_len, max_num_seqs, step_interval_ms)."""
     options = builtin_engine_options()
-    settings = BuiltinEngineSettings(
-        handshake_address=handshake_address,
-        max_model_len=options.max_model_len,
-        max_num_seqs=options.max_num_seqs,
-        step_interval_ms=options.step_interval_ms,
-    )
-    if model_dir is not None:
-        changes["model_dir"] = model_dir
-    return replace(settings, **changes)
+    return {"max_model_len": options.max_model_len, "max_num_seqs": options.max_num_seqs, "step_interval_ms": options.step_interval_ms}
+
+
+def builtin_engine_settings(handshake_address: str, **changes: Any) -> BuiltinEngineSettings:
+    """One built-in engine process's settings, as its engine client starts it."""
+    return BuiltinEngineSettings(handshake_address=handshake_address, **{**_builtin_engine_sizes(), **changes})
 
 
 def builtin_engine_argv(handshake: str, *, command: Callable[..., list[str]] = builtin_engine_command, **changes: Any) -> list[str]:
     """The argv of a built-in engine process sized as the application's defaults size it."""
-    options = builtin_engine_options()
-    sizes = {"max_model_len": options.max_model_len, "max_num_seqs": options.max_num_seqs, "step_interval_ms": options.step_interval_ms}
-    return command(handshake, **{**sizes, **changes})
+    return command(handshake, **{**_builtin_engine_sizes(), **changes})
