@@ -74,6 +74,38 @@ async def _unexpected_error(_: Request, exc: Exception) -> Response:
     return _error_response(error)
 
 
+class _ClientLeft(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _unless_client_leaves(request: Request, work: Any) -> Any:
+    """`await work`, cancelled if the client disconnects first (as vLLM's `with_cancellation` does).
+    Serve cancels a handler whose client leaves only on some paths: behind HAProxy the replica's
+    own HTTP server sees the disconnect, and nothing else would stop a non-streamed generation."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_client_disconnected(request))
+    try:
+        await asyncio.wait((task, listener), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        listener.cancel()
+    if not task.done():
+        task.cancel()  # its own clean-up aborts the request in the engine
+        raise _ClientLeft()
+    return task.result()
+
+
+async def _client_disconnected(request: Request) -> None:
+    """Returns once the ASGI server says the client is gone (the body has been read by then)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a receive that fails (Serve's proxy cancels it) means the client is gone
+        return
+
+
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0]
     loc = ".".join(str(p) for p in first.get("loc", ()))
@@ -152,12 +184,16 @@ class Ingress:
             self._authorize(request)
             body = await self._parse(request, model, endpoint == "chat", record.lease)
             record.stream = bool(getattr(body, "stream", False))
-            result = await call(body, record)
+            result = await _unless_client_leaves(request, call(body, record))
         except asyncio.CancelledError:
             # The client went away (Serve cancels the handler): not an error of ours.
             record.status, record.error = CLIENT_CLOSED, "client disconnected"
             self._finish(record)
             raise
+        except _ClientLeft:
+            record.status, record.error = CLIENT_CLOSED, "client disconnected"
+            self._finish(record)
+            return Response(status_code=CLIENT_CLOSED)
         except (ClientDisconnect, TaskCancelledError):
             # The client went away while sending its body (Serve's proxy cancels the receive).
             record.status, record.error = CLIENT_CLOSED, "client disconnected while sending the body"

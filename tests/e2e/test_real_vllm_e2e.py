@@ -177,19 +177,23 @@ def test_client_disconnect_leaves_no_running_request(vllm_app):
 
     body = {"model": vllm_app.model_name, "messages": CHATS[0], "max_tokens": 900, "ignore_eos": True, "stream": True}
     # The tiny CPU model can outrun the gateway's delivery: only a disconnect while the engine
-    # itself is still generating proves anything, so retry until that is the case.
-    for _ in range(4):
+    # itself is still generating proves anything, so retry until that is the case. The handle is
+    # made and used once beforehand: its first call (controller lookup, router start) can take
+    # longer than the engine needs for all 900 tokens.
+    engine = vllm_app.app.engine_handle(0)
+    engine.info.remote().result(timeout_s=30)
+    for _ in range(6):
         with httpx.stream("POST", vllm_app.app.base_url + "/v1/chat/completions", json=body, timeout=120) as resp:
             assert resp.status_code == 200, resp.read()
             next(resp.iter_lines())  # the first chunk arrives with the first token
-            engine_busy = vllm_app.app.engine_utility("has_work")
+            engine_busy = engine.call_utility.remote("has_work").result(timeout_s=30)
         if engine_busy:
             break
         time.sleep(0.5)
     else:
         raise AssertionError("the engine always finished before the client could leave")
     left_at = time.monotonic()
-    while vllm_app.app.engine_utility("has_work"):
+    while engine.call_utility.remote("has_work").result(timeout_s=30):
         assert time.monotonic() - left_at < 1.0, "the engine still runs the request 1 s after the client left"
         time.sleep(0.05)
     assert vllm_app.app.engine_info().num_in_flight == 0
