@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from tests.support.serve_process import sigint_as_default
 from tests.support.vllm_engines import free_tcp_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +47,8 @@ class ServeRun:
             "RAY_USAGE_STATS_ENABLED": "0",
             # As README starts it: HAProxy in front of the ingress replicas' own HTTP servers.
             "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            # Stopping: no 30 s deregistration window per ingress replica (README, HAProxy paragraph).
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
             "PYTHONPATH": str(REPO),
             **(env or {}),
         }
@@ -58,6 +61,7 @@ class ServeRun:
             self.proc = subprocess.Popen(
                 [str(serve_cli), "run", str(self.config_path)], cwd=REPO, env=self.env,
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=sigint_as_default,
             )
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
@@ -94,7 +98,7 @@ class ServeRun:
         if self.proc is None:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGINT)  # serve run shuts the app and its Ray down
+            os.kill(self.proc.pid, signal.SIGINT)  # serve run shuts the app and its Ray down
             self.proc.wait(timeout=30)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass

@@ -48,7 +48,16 @@ def run_logged(cmd: list[str], *, timeout_s: float, cwd: Path | None = None, env
 def serve_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VIRTUAL_ENV", "PYTHONPATH"))}
     env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_SERVE_ENABLE_HA_PROXY="1")  # as README starts it
+    # Stopping: no 30 s deregistration window per ingress replica (README, HAProxy paragraph).
+    env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"
     return env
+
+
+def sigint_as_default() -> None:
+    """`preexec_fn` of a `serve run`: SIGINT back to its default. A process started in the background
+    by a non-interactive shell (CI runners, `cmd &`) inherits SIGINT ignored, and Python then never
+    raises the KeyboardInterrupt that makes `serve run` shut down: it ran until killed."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class ServeRunProcess:
@@ -81,7 +90,7 @@ class ServeRunProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             ["bash", "-c", self.command], cwd=self.cwd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=sigint_as_default,
         )
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
@@ -107,7 +116,7 @@ class ServeRunProcess:
             return
         os.killpg(self.proc.pid, signal.SIGINT)  # serve run shuts down Serve and the Ray instance it started
         try:
-            self.proc.wait(timeout=90)
+            self.proc.wait(timeout=45)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
