@@ -1,9 +1,9 @@
 """The service works on the oldest and the newest FastAPI the project allows, installed as a user would.
 
 The oldest is ray[serve] 2.60's own lower bound (read from ray's metadata; pyproject.toml states the
-same), the newest the one ./scripts/lock.sh resolved (scripts/constraints/gateway.txt). Each gets a
-fresh venv with README's install (`pip install -e . -c scripts/constraints/gateway.txt`, FastAPI
-swapped), a clean `pip check`, and a real `serve run` that must answer /v1/models, a chat
+same), the newest the one ./scripts/lock.sh resolved (scripts/constraints/gateway.txt). One fresh venv
+with README's install (`pip install -e . -c scripts/constraints/gateway.txt`) serves with the newest,
+then with the oldest installed over it; each with a clean `pip check`, and a real `serve run` that must answer /v1/models, a chat
 completion and a streamed chat with 200. FastAPI 0.137.0 is where routes started to be analysed
 lazily in the replica (see deployments/ingress.py), so the two ends straddle that change.
 """
@@ -11,6 +11,7 @@ lazily in the replica (see deployments/ingress.py), so the two ends straddle tha
 import importlib.metadata
 import re
 import tomllib
+from pathlib import Path
 
 import httpx
 import pytest
@@ -55,15 +56,24 @@ def exercise(base_url: str) -> None:
     assert events[-1] == "data: [DONE]" and len(events) > 2
 
 
-@pytest.mark.parametrize("end", ["oldest", "newest"])
-def test_quick_start_install_serves_with_fastapi(end, tmp_path):
+@pytest.fixture(scope="module")
+def quick_start_venv(tmp_path_factory) -> Path:
+    """One venv with README's install (`pip install -e . -c scripts/constraints/gateway.txt`), shared by
+    both ends: the oldest FastAPI is then installed over the pinned one, as a user pinning it would."""
+    return make_venv(tmp_path_factory.mktemp("fastapi") / "venv", "-e", str(REPO), "-c", str(GATEWAY_CONSTRAINTS))
+
+
+@pytest.mark.parametrize("end", ["newest", "oldest"])  # this order: the oldest changes the shared venv
+def test_quick_start_install_serves_with_fastapi(end, quick_start_venv, tmp_path):
+    bin_dir = quick_start_venv
     version = ray_fastapi_lower_bound() if end == "oldest" else pinned_version("fastapi")
-    # The pins with FastAPI swapped for the version under test.
-    constraints = tmp_path / "constraints.txt"
-    constraints.write_text(
-        "".join(line + "\n" for line in GATEWAY_CONSTRAINTS.read_text().splitlines() if not line.lower().startswith("fastapi=="))
-    )
-    bin_dir = make_venv(tmp_path / "venv", "-e", str(REPO), "-c", str(constraints), f"fastapi=={version}")
+    if end == "oldest":
+        # The pins with FastAPI swapped for the version under test.
+        constraints = tmp_path / "constraints.txt"
+        constraints.write_text(
+            "".join(line + "\n" for line in GATEWAY_CONSTRAINTS.read_text().splitlines() if not line.lower().startswith("fastapi=="))
+        )
+        run_logged([str(bin_dir / "python"), "-m", "pip", "install", "-q", "-c", str(constraints), f"fastapi=={version}"], timeout_s=600)
     installed = run_logged([str(bin_dir / "python"), "-c", "import fastapi; print(fastapi.__version__)"], timeout_s=60)
     assert installed.stdout.strip() == version
     run_logged([str(bin_dir / "python"), "-m", "pip", "check"], timeout_s=120)
