@@ -120,6 +120,9 @@ class LimitsConfig(BaseModel):
     # Bodies with images may add images.max_images_per_request base64-encoded images.
     max_request_bytes: int = 4 * 1024 * 1024
     max_n: int = 16
+    # Top logprobs per token a request may ask for: vLLM's `--max-logprobs` (default 20); set it to
+    # the engines' value (-1: the whole vocabulary).
+    max_logprobs: int = 20
     max_stop_strings: int = 16
     max_stop_string_chars: int = 512
     # None: the engine's max_model_len from its handshake.

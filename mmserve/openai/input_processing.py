@@ -63,6 +63,8 @@ class PreparedRequest:
     min_tokens: int
     # The engines' limits this request was checked against (from their handshake).
     limits: EngineLimits
+    # Chat logprobs: the number of top logprobs to show per token; None when not asked for.
+    top_logprobs: int | None = None
     # Preprocessing under way (its response is never resolved in the ingress), None for text only.
     images: PendingImages | None = None
     # Timings and counts for metrics and the request's log line.
@@ -225,8 +227,10 @@ class InputProcessor:
         id_prefix: str,
         limits: EngineLimits,
         num_images: int = 0,
+        logprobs: int | None = None,
     ) -> PreparedRequest:
-        """Check the sampling fields and build the engine's `SamplingParams` (one child's: n = 1)."""
+        """Check the sampling fields and build the engine's `SamplingParams` (one child's: n = 1);
+        `logprobs`: the number of top logprobs per token to compute, None for none."""
         structured = structured_outputs(request)
         prompt_len = len(prompt_ids)
         prompt_param = "messages" if id_prefix == "chatcmpl" else "prompt"
@@ -251,6 +255,7 @@ class InputProcessor:
             ignore_eos=request.ignore_eos,
         )
         sampling = self._sampling_params(request, stop, stop_ids, engine_max_tokens, structured)
+        sampling.logprobs = logprobs
         return PreparedRequest(
             request_id=f"{id_prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
@@ -263,6 +268,7 @@ class InputProcessor:
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             min_tokens=request.min_tokens,
             limits=limits,
+            top_logprobs=logprobs,
         )
 
     def _sampling_params(

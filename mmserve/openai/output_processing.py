@@ -14,10 +14,11 @@ from typing import Any, Protocol, TypeVar
 
 from mmserve.protocol import EngineEvent
 from mmserve.text import IncrementalDetokenizer, SequenceText, Tokenizer
-from mmserve.wire import EngineCoreRequest, FinishReason
+from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 from .errors import OpenAIError, openai_error
 from .input_processing import PreparedRequest
+from .logprobs import ChoiceLogprobs, TokenLogprob, TokenStrings
 from .metrics import Metrics
 from .parallel_sampling import child_request, interleave
 from .protocol import UsageInfo
@@ -41,6 +42,8 @@ class ChoiceDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # One entry per new token when the request asked for logprobs, else None.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -52,6 +55,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 def usage(prepared: PreparedRequest, completion_tokens: int) -> UsageInfo:
@@ -64,6 +68,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer, engines: EngineStreams, metrics: Metrics | None = None) -> None:
         self.tokenizer = tokenizer
+        self.token_strings = TokenStrings(tokenizer)
         self.engines = engines
         self.metrics = metrics
 
@@ -99,6 +104,8 @@ class OutputProcessor:
             result = results[delta.index]
             result.text += delta.text
             result.token_ids.extend(delta.token_ids)
+            if delta.logprobs is not None:
+                result.logprobs = (result.logprobs or []) + delta.logprobs
             if delta.finish_reason is not None:
                 result.finish_reason, result.stop_reason = delta.finish_reason, delta.stop_reason
         return response_type(
@@ -114,6 +121,7 @@ class OutputProcessor:
         """Stream one choice: engine tokens → text deltas, stop strings, finish reasons."""
         seq: SequenceText | None = None
         emitted_ids = 0
+        choice_logprobs = None if prepared.top_logprobs is None else ChoiceLogprobs(self.token_strings, prepared.top_logprobs)
         engine_request = child_request(
             prepared.request_id, prepared.prompt_token_ids, prepared.sampling, prepared.n, index, prepared.record.arrival_time
         )
@@ -133,11 +141,15 @@ class OutputProcessor:
                 # merges the same way while its consumer lags); stop strings are still checked
                 # per engine step.
                 finish_reason, stop_reason = None, None
+                logprobs: list[TokenLogprob] | None = None if choice_logprobs is None else []
                 for output in event.outputs:
                     finish = output.finish_reason
                     if finish is FinishReason.ERROR:
                         raise OpenAIError("the engine failed to process the request", status=500)
+                    num_before = len(seq.token_ids)
                     stop_string = seq.update(output.new_token_ids, stop_terminated=finish is FinishReason.STOP)
+                    if logprobs is not None:
+                        logprobs += _rendered_logprobs(choice_logprobs, output, len(seq.token_ids) - num_before)
                     if stop_string is not None:
                         finish_reason, stop_reason = "stop", stop_string
                         break
@@ -147,7 +159,7 @@ class OutputProcessor:
                 text = seq.next_delta(finished=finish_reason is not None)
                 new_ids = seq.token_ids[emitted_ids:]
                 emitted_ids = len(seq.token_ids)
-                yield ChoiceDelta(index, text, new_ids, finish_reason, stop_reason)
+                yield ChoiceDelta(index, text, new_ids, finish_reason, stop_reason, logprobs)
                 if finish_reason is not None:
                     return
             raise OpenAIError("the engine stream ended without finishing the request", status=500)
@@ -173,3 +185,11 @@ class OutputProcessor:
             include_stop_str_in_output=prepared.include_stop_str_in_output,
             min_tokens=prepared.min_tokens,
         )
+
+
+def _rendered_logprobs(choice: ChoiceLogprobs, output: EngineCoreOutput, num_kept: int) -> list[TokenLogprob]:
+    if not num_kept:
+        return []
+    if output.new_logprobs is None:
+        raise OpenAIError("the engine sent no logprobs for a request that asked for them", status=500)
+    return choice.render(output.new_logprobs, num_kept)

@@ -143,13 +143,27 @@ class ResponseMessage(BaseModel):
     content: str | None = None
 
 
+class ChatCompletionLogProb(BaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ResponseMessage
     finish_reason: str | None = None
     # vLLM reports the matched stop string or token id here.
     stop_reason: int | str | None = None
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     token_ids: list[int] | None = None
 
 
@@ -173,7 +187,7 @@ class ChatCompletionStreamChoice(BaseModel):
     delta: DeltaMessage
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     token_ids: list[int] | None = None
 
 

@@ -31,14 +31,36 @@ def _check_unsupported(request: SamplingRequestFields) -> None:
 
 def check_chat_request(request: ChatCompletionRequest) -> None:
     _check_unsupported(request)
-    if request.logprobs or request.top_logprobs:
-        raise bad_request("logprobs are not supported by this server yet", "logprobs")
+    top_logprobs = request.top_logprobs
+    if top_logprobs is not None:
+        # vLLM's ChatCompletionRequest.check_logprobs, word for word.
+        if top_logprobs < 0 and top_logprobs != -1:
+            raise bad_request("`top_logprobs` must be a positive value or -1.", "top_logprobs")
+        if (top_logprobs == -1 or top_logprobs > 0) and not request.logprobs:
+            raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     if request.tools:
         raise bad_request("tool calling is not supported by this server yet", "tools")
     if request.add_generation_prompt and request.continue_final_message:
         raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
     if request.max_completion_tokens is not None and request.max_tokens is not None and request.max_completion_tokens != request.max_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree; send one of them", "max_completion_tokens")
+
+
+def chat_logprobs(request: ChatCompletionRequest, max_logprobs: int, vocab_size: int, engine_kind: str) -> int | None:
+    """The engine's `SamplingParams.logprobs` for a chat request (None: not asked for), as vLLM sets
+    it (`top_logprobs` when `logprobs`), checked against the engines' `--max-logprobs` as vLLM does."""
+    if not request.logprobs:
+        return None
+    if engine_kind == "mmserve-builtin":
+        raise bad_request("logprobs are not computed by mmserve's built-in engine (serve a vLLM engine for them)", "logprobs")
+    requested = request.top_logprobs or 0
+    allowed = vocab_size if max_logprobs == -1 else max_logprobs
+    if (vocab_size if requested == -1 else requested) > allowed:
+        raise bad_request(
+            f"Requested sample logprobs of {vocab_size if requested == -1 else requested}, "
+            f"which is greater than max allowed: {allowed}", "logprobs",
+        )
+    return requested
 
 
 def check_completion_request(request: CompletionRequest) -> None:

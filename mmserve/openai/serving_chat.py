@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from mmserve.multimodal import ImageBatchRequest, PixelMode
 
 from . import request_checks
@@ -13,6 +15,7 @@ from .output_processing import ChoiceDelta, ChoiceResult, usage
 from .protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
+    ChatCompletionLogProbs,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
@@ -40,7 +43,12 @@ class ChatServing:
         limits = await context.engine_limits()
         prompt_ids = await context.inputs.chat_prompt(request, limits)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        prepared = context.inputs.prepare(request, prompt_ids, max_tokens, "chatcmpl", limits, num_images=num_images)
+        logprobs = request_checks.chat_logprobs(
+            request, context.settings.limits.max_logprobs, context.inputs.tokenizer.vocab_size, limits.engine_kind
+        )
+        prepared = context.inputs.prepare(
+            request, prompt_ids, max_tokens, "chatcmpl", limits, num_images=num_images, logprobs=logprobs
+        )
         prepared.attach(record, num_images=num_images)
         if image_urls:
             prepared.images = context.router.preprocess(
@@ -59,6 +67,7 @@ class ChatServing:
             return ChatCompletionChoice(
                 index=r.index, message=ResponseMessage(content=r.text), finish_reason=r.finish_reason,
                 stop_reason=r.stop_reason, token_ids=r.token_ids if with_ids else None,
+                logprobs=None if r.logprobs is None else ChatCompletionLogProbs(content=[msgspec.to_builtins(t) for t in r.logprobs]),
             )
 
         return await context.outputs.full_response(

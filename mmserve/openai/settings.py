@@ -17,6 +17,8 @@ class ServingLimits:
 
     max_request_bytes: int
     max_n: int
+    # -1: the whole vocabulary (vLLM's --max-logprobs).
+    max_logprobs: int
     max_stop_strings: int
     max_stop_string_chars: int
     # None: the engine's max_model_len.

@@ -60,7 +60,9 @@ async def event_stream(
             yield opening()
         async for delta in _prepend(first_delta, deltas):
             completion_tokens += len(delta.token_ids)
-            if not delta.text and delta.finish_reason is None and not (with_ids and delta.token_ids):
+            # A token with no text yet (part of a UTF-8 sequence) still goes out when its ids or
+            # logprobs were asked for, as vLLM sends it: every token's entry reaches the client.
+            if not delta.text and delta.finish_reason is None and not (with_ids and delta.token_ids) and not delta.logprobs:
                 continue
             yield delta_chunk(delta)
         if include_usage:

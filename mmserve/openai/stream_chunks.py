@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from .logprobs import ChatLogprobs
 from .output_processing import ChoiceDelta
 
 _encode = msgspec.json.Encoder().encode
@@ -24,12 +25,13 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
 
 
 class ChatStreamChoice(msgspec.Struct, omit_defaults=True):
-    """`ChatCompletionStreamChoice` (its `logprobs` is always null, so never sent)."""
+    """`ChatCompletionStreamChoice`."""
 
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -59,7 +61,7 @@ class DeltaChunks:
     def chat(self, delta: ChoiceDelta, with_ids: bool) -> bytes:
         return self._event(ChatStreamChoice(
             delta.index, ChatDelta(delta.text), delta.finish_reason, delta.stop_reason,
-            delta.token_ids if with_ids else None,
+            None if delta.logprobs is None else ChatLogprobs(delta.logprobs), delta.token_ids if with_ids else None,
         ))
 
     def completion(self, delta: ChoiceDelta, with_ids: bool, prompt_token_ids: list[int] | None) -> bytes:

@@ -7,9 +7,11 @@ from .engine_core import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    LogprobsLists,
     RequestType,
     SchedulerStats,
     UtilityOutput,
+    WireArray,
 )
 from .handshake import EngineStatusMessage, EngineZmqAddresses, HandshakeInit, ReadyResponse
 from .multimodal import (
@@ -30,7 +32,7 @@ __all__ = [
     "ENGINE_CORE_DEAD", "SUPPORTED_VLLM_VERSIONS",
     "BatchedField", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest",
     "EngineDeadMessage", "EngineStatusMessage", "EngineZmqAddresses", "FieldElem", "FinishReason",
-    "FlatField", "HandshakeInit", "MultiModalFeatureSpec", "OutputDecoder", "PlaceholderRange",
+    "FlatField", "HandshakeInit", "LogprobsLists", "MultiModalFeatureSpec", "OutputDecoder", "PlaceholderRange",
     "ReadyResponse", "RequestEncoder", "RequestType", "SamplingParams", "SchedulerStats",
-    "SharedField", "StructuredOutputsParams", "UtilityOutput", "WireTensor",
+    "SharedField", "StructuredOutputsParams", "UtilityOutput", "WireArray", "WireTensor",
 ]

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .engine_core import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest, RequestType
+from .engine_core import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest, LogprobsLists, RequestType
 from .handshake import EngineStatusMessage, HandshakeInit, ReadyResponse
 from .multimodal import BatchedField, FieldElem, FlatField, SharedField, WireTensor
 
@@ -100,8 +100,18 @@ class OutputDecoder:
         first = frames[0]
         if len(frames) == 1 and bytes(first) == ENGINE_CORE_DEAD:
             raise EngineDeadMessage("engine sent ENGINE_CORE_DEAD")
-        # Out-of-band frames (logprob/pooling tensors) are not read by the gateway.
-        return self._decoder.decode(first)
+        outputs = self._decoder.decode(first)
+        for output in outputs.outputs:
+            if output.new_logprobs is not None:
+                _resolve_frames(output.new_logprobs, frames)
+        return outputs
+
+
+def _resolve_frames(logprobs: LogprobsLists, frames: Sequence[bytes | memoryview]) -> None:
+    """Each array's data as bytes of its own: the out-of-band frame it names (arrays of
+    `OOB_THRESHOLD` bytes or more), or a copy of its inline view (the frame is reused)."""
+    for array in (logprobs.logprob_token_ids, logprobs.logprobs, logprobs.sampled_token_ranks):
+        array.data = bytes(frames[array.data]) if isinstance(array.data, int) else bytes(array.data)
 
 
 _status_decoder = msgspec.msgpack.Decoder(EngineStatusMessage)

@@ -14,6 +14,7 @@ import enum
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from .multimodal import MultiModalFeatureSpec
 from .sampling import SamplingParams
@@ -70,12 +71,35 @@ class EngineCoreEvent(msgspec.Struct):
     timestamp: float
 
 
+class WireArray(msgspec.Struct, array_like=True, gc=False):
+    """A numpy array as vLLM's encoder writes it: `[dtype.str, shape, data]`. `data` is the raw
+    bytes inline (msgpack ext 3), or the index of an out-of-band frame, which `OutputDecoder`
+    replaces with that frame's bytes, so a decoded array is always self-contained."""
+
+    dtype: str
+    shape: list[int]
+    data: Any
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Mirrors `vllm.v1.outputs.LogprobsLists` (a NamedTuple): the sample logprobs of one
+    request's new tokens, one row per token: the sampled token first, then the top-k."""
+
+    logprob_token_ids: WireArray  # [num_tokens, k + 1]
+    logprobs: WireArray  # [num_tokens, k + 1], float32
+    sampled_token_ranks: WireArray  # [num_tokens]
+    cu_num_generated_tokens: list[int] | None = None
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Mirrors `vllm.v1.engine.EngineCoreOutput`: the new tokens of one request in one step."""
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: Any = None
+    new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs_tensors: Any = None
     pooling_output: Any = None
     finish_reason: FinishReason | None = None

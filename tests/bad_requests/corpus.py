@@ -280,7 +280,9 @@ def _message_cases() -> list[BadRequest]:
         "unknown-model": (_chat(model="gpt-17"), "model"),
         "unknown-model-stream": (_chat(model="no-such-model", stream=True), "model"),
         "tools": (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        "logprobs": (_chat(logprobs=True, top_logprobs=2), "logprobs"),
+        "top-logprobs-without-logprobs": (_chat(top_logprobs=2), "top_logprobs"),
+        "top-logprobs-negative": (_chat(logprobs=True, top_logprobs=-2), "top_logprobs"),
+        "top-logprobs-beyond-max": (_chat(logprobs=True, top_logprobs=21), "logprobs"),
         "truncate-prompt-tokens": (_chat(truncate_prompt_tokens=5), "truncate_prompt_tokens"),
         "prompt-logprobs": (_chat(prompt_logprobs=1), "prompt_logprobs"),
     }

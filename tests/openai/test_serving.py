@@ -152,3 +152,18 @@ def test_models_answer_without_waiting_for_an_engine():
     models = asyncio.run(_server(ScriptedRouter([5])).models())
     (card,) = models.data
     assert (card.id, card.max_model_len, card.engine) == ("mmserve-builtin", MAX_MODEL_LEN, "mmserve-builtin")
+
+
+def test_logprobs_are_refused_on_the_built_in_engine_and_checked_against_max_logprobs():
+    server = _server(ScriptedRouter([1]), max_logprobs=5)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    with pytest.raises(OpenAIError) as refused:
+        asyncio.run(server.chat(ChatCompletionRequest.model_validate({**chat, "logprobs": True})))
+    assert refused.value.status == 400 and refused.value.param == "logprobs" and "built-in engine" in refused.value.message
+    from mmserve.openai import request_checks
+
+    request = ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 6})
+    with pytest.raises(OpenAIError, match="Requested sample logprobs of 6, which is greater than max allowed: 5"):
+        request_checks.chat_logprobs(request, 5, 1000, "vllm")
+    assert request_checks.chat_logprobs(request, -1, 1000, "vllm") == 6
+    assert request_checks.chat_logprobs(ChatCompletionRequest.model_validate(chat), 5, 1000, "vllm") is None

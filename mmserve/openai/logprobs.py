@@ -1,0 +1,153 @@
+"""Sample logprobs: the engine's rows of (token id, logprob) → OpenAI's chat `logprobs`, as vLLM renders them.
+
+vLLM 0.32's output processor (`vllm/v1/engine/logprobs.py`) turns each row into a dict
+{token id: Logprob}: the sampled token first, then the top-k (a sampled token that is also in
+the top-k keeps its first place and takes its top-k entry), each token string decoded on its own
+(`convert_ids_list_to_tokens`), a string ending in U+FFFD re-decoded with up to four preceding
+sampled tokens (`_correct_decoded_token`). Its chat server (`_create_chat_logprobs`) then lists,
+per token, the sampled entry and the first `top_logprobs` entries of that dict, each logprob
+floored at -9999.0.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import numpy as np
+
+from mmserve.text import Tokenizer
+from mmserve.wire import LogprobsLists
+
+REPLACEMENT = "\ufffd"
+LOGPROB_FLOOR = -9999.0
+# Preceding sampled tokens vLLM decodes with a token ending in U+FFFD (enough for any UTF-8 sequence).
+MAX_CONTEXT_TOKENS = 4
+
+
+class TopLogprob(msgspec.Struct):
+    """Mirrors vLLM's `ChatCompletionLogProb`."""
+
+    token: str
+    logprob: float = LOGPROB_FLOOR
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(msgspec.Struct):
+    """Mirrors vLLM's `ChatCompletionLogProbsContent`: one generated token."""
+
+    token: str
+    logprob: float = LOGPROB_FLOOR
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(msgspec.Struct):
+    """Mirrors vLLM's `ChatCompletionLogProbs`."""
+
+    content: list[TokenLogprob] | None = None
+
+
+class TokenStrings:
+    """Token strings as vLLM's logprobs show them (`convert_ids_list_to_tokens`), for one tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.space_marker = _leading_space_marker(tokenizer)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def one_by_one(self, token_ids: list[int]) -> list[str]:
+        strings = [self.decode([token_id]) for token_id in token_ids]
+        if self.space_marker is None:
+            return strings
+        return [
+            _restore_leading_spaces(self.tokenizer.id_to_token(token_id) or "", text, self.space_marker)
+            for token_id, text in zip(token_ids, strings)
+        ]
+
+    def corrected(self, token_id: int, context: list[int]) -> str:
+        """vLLM's `_correct_decoded_token`: the text this token completes, given the sampled tokens before it."""
+        for num_context in range(1, min(len(context), MAX_CONTEXT_TOKENS) + 1):
+            window = context[-num_context:]
+            full = self.decode(window + [token_id])
+            if full.endswith(REPLACEMENT):
+                continue
+            clean_end = len(window)
+            for j in range(len(window) - 1, -1, -1):
+                if self.decode([window[j]]).endswith(REPLACEMENT):
+                    clean_end = j
+                else:
+                    break
+            prefix = self.decode(window[:clean_end]) if clean_end > 0 else ""
+            if full.startswith(prefix):
+                return full[len(prefix):]
+            common = 0
+            for a, b in zip(prefix, full):
+                if a != b:
+                    break
+                common += 1
+            return full[common:]
+        return ""
+
+
+class ChoiceLogprobs:
+    """One choice's sample logprobs, rendered token by token as they arrive."""
+
+    def __init__(self, strings: TokenStrings, top_logprobs: int) -> None:
+        self.strings = strings
+        self.top_logprobs = top_logprobs
+        # The sampled tokens so far, most recent last: the context of a token ending in U+FFFD.
+        self.sampled: list[int] = []
+
+    def render(self, rows: LogprobsLists, num_tokens: int) -> list[TokenLogprob]:
+        """The first `num_tokens` rows (the tokens kept after stop strings), rendered."""
+        token_ids: np.ndarray = rows.logprob_token_ids.array()[:num_tokens]
+        values: np.ndarray = rows.logprobs.array()[:num_tokens]
+        rendered = []
+        for ids, logprobs in zip(token_ids.tolist(), values.tolist()):
+            strings = self.strings.one_by_one(ids)
+            for k, text in enumerate(strings):
+                if text.endswith(REPLACEMENT):
+                    strings[k] = self.strings.corrected(ids[k], self.sampled[-MAX_CONTEXT_TOKENS:])
+            # {token id: (logprob, string)}: the sampled token's place, the last entry's values.
+            entries: dict[int, tuple[float, str]] = {}
+            for token_id, logprob, text in zip(ids, logprobs, strings):
+                entries[token_id] = (logprob, text)
+            sampled_logprob, sampled_text = entries[ids[0]]
+            count = len(entries) if self.top_logprobs == -1 else self.top_logprobs
+            top = [
+                TopLogprob(text, max(logprob, LOGPROB_FLOOR), list(text.encode("utf-8", errors="replace")))
+                for _, (logprob, text) in zip(range(count), entries.values())
+            ]
+            rendered.append(TokenLogprob(
+                sampled_text, max(sampled_logprob, LOGPROB_FLOOR),
+                list(sampled_text.encode("utf-8", errors="replace")), top,
+            ))
+            self.sampled.append(ids[0])
+        return rendered
+
+
+def _leading_space_marker(tokenizer: Tokenizer) -> str | None:
+    """vLLM's `get_leading_space_marker`: the Metaspace replacement character, if the tokenizer has one."""
+    try:
+        pre = json.loads(tokenizer.backend.to_str()).get("pre_tokenizer") or {}
+    except ValueError:
+        return None
+    if pre.get("type") == "Metaspace":
+        return pre.get("replacement", "\u2581")
+    if pre.get("type") == "Sequence":
+        for sub in pre.get("pretokenizers", []):
+            if sub.get("type") == "Metaspace":
+                return sub.get("replacement", "\u2581")
+    return None
+
+
+def _restore_leading_spaces(raw_token: str, text: str, marker: str) -> str:
+    """vLLM's `_restore_leading_spaces`: the spaces `decode` stripped from a raw vocab piece."""
+    num_markers = len(raw_token) - len(raw_token.lstrip(marker))
+    if num_markers == 0:
+        return text
+    missing = num_markers - (len(text) - len(text.lstrip(" ")))
+    return " " * missing + text if missing > 0 else text

@@ -1,0 +1,105 @@
+"""Chat logprobs equal `vllm serve`'s own, to the last bit: tokens, bytes, values and top-k order,
+streamed and not, for text and image prompts, greedy and sampled, cut by a stop string; and the
+same 400s for the same bad values.
+
+`vllm serve` (its own front end and engine) runs in this test run on the same machine and the same
+tiny Qwen2-VL as the headless engine behind mmserve, with the same engine flags; requests go one at
+a time to each, so both engines compute the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.support.images import image_part, image_uri
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
+
+CHAT = "/v1/chat/completions"
+TEXT = [{"role": "user", "content": "Write a short poem about the sea."}]
+IMAGE = [{"role": "user", "content": [image_part(image_uri(300, 200, 1)), {"type": "text", "text": "Describe this image."}]}]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_app):
+    from tests.support.vllm_engines import VllmApiServer
+
+    server = VllmApiServer(vllm_app.model_dir, served_model_name=vllm_app.model_name, max_model_len=1024).start()
+    try:
+        yield server.wait_healthy(timeout=600)
+    finally:
+        server.stop()
+
+
+def _post(base_url: str, body: dict) -> httpx.Response:
+    return httpx.post(base_url + CHAT, json=body, timeout=300)
+
+
+def _streamed(base_url: str, body: dict) -> tuple[str, list[dict]]:
+    """The streamed text and the logprobs entries of every chunk, in order."""
+    text, entries = "", []
+    with httpx.stream("POST", base_url + CHAT, json={**body, "stream": True}, timeout=300) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[len("data: "):])["choices"]:
+                text += choice["delta"].get("content") or ""
+                entries += (choice.get("logprobs") or {}).get("content") or []
+    return text, entries
+
+
+CASES = {
+    "greedy-top3": {"messages": TEXT, "max_tokens": 24, "temperature": 0.0, "logprobs": True, "top_logprobs": 3},
+    "greedy-no-top": {"messages": TEXT, "max_tokens": 12, "temperature": 0.0, "logprobs": True},
+    "sampled-top2": {"messages": TEXT, "max_tokens": 24, "temperature": 1.0, "seed": 7, "logprobs": True, "top_logprobs": 2},
+    "all-top20": {"messages": TEXT, "max_tokens": 6, "temperature": 0.0, "logprobs": True, "top_logprobs": 20},
+    "image": {"messages": IMAGE, "max_tokens": 12, "temperature": 0.0, "logprobs": True, "top_logprobs": 4},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chat_logprobs_equal_vllm_serve(vllm_app, vllm_server, case):
+    body = {"model": vllm_app.model_name, **CASES[case]}
+    ours, theirs = _post(vllm_app.app.base_url, body), _post(vllm_server.base_url, body)
+    assert ours.status_code == theirs.status_code == 200, (ours.text[:500], theirs.text[:500])
+    ours_choice, their_choice = ours.json()["choices"][0], theirs.json()["choices"][0]
+    assert ours_choice["message"]["content"] == their_choice["message"]["content"]
+    assert ours_choice["logprobs"] == their_choice["logprobs"]
+    assert len(ours_choice["logprobs"]["content"]) == ours.json()["usage"]["completion_tokens"]
+
+
+def test_streamed_logprobs_equal_vllm_serve_and_the_whole_answer(vllm_app, vllm_server):
+    body = {"model": vllm_app.model_name, **CASES["greedy-top3"]}
+    ours_text, ours = _streamed(vllm_app.app.base_url, body)
+    their_text, theirs = _streamed(vllm_server.base_url, body)
+    assert ours_text == their_text
+    assert ours == theirs
+    whole = _post(vllm_app.app.base_url, body).json()["choices"][0]["logprobs"]["content"]
+    assert ours == whole
+
+
+def test_logprobs_end_where_a_stop_string_cuts_the_answer(vllm_app, vllm_server):
+    body = {"model": vllm_app.model_name, **CASES["greedy-top3"]}
+    full = _post(vllm_server.base_url, body).json()["choices"][0]["message"]["content"]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), full
+    body["stop"] = [stop]
+    ours, theirs = _post(vllm_app.app.base_url, body).json(), _post(vllm_server.base_url, body).json()
+    assert ours["choices"][0]["finish_reason"] == theirs["choices"][0]["finish_reason"] == "stop"
+    assert ours["choices"][0]["logprobs"] == theirs["choices"][0]["logprobs"]
+    assert len(ours["choices"][0]["logprobs"]["content"]) < body["max_tokens"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": -2}],
+)
+def test_bad_logprobs_values_are_refused_as_vllm_refuses_them(vllm_app, vllm_server, fields):
+    body = {"model": vllm_app.model_name, "messages": TEXT, "max_tokens": 4, **fields}
+    ours, theirs = _post(vllm_app.app.base_url, body), _post(vllm_server.base_url, body)
+    assert ours.status_code == theirs.status_code == 400, (ours.text, theirs.text)
+    assert ours.json()["error"]["message"] in theirs.json()["error"]["message"], (ours.text, theirs.text)
