@@ -1,4 +1,4 @@
-"""Sample logprobs: the engine's rows of (token id, logprob) → OpenAI's chat `logprobs`, as vLLM renders them.
+"""Sample logprobs: the engine's rows of (token id, logprob) → OpenAI's chat and completions `logprobs`, as vLLM renders them.
 
 vLLM 0.32's output processor (`vllm/v1/engine/logprobs.py`) turns each row into a dict
 {token id: Logprob}: the sampled token first, then the top-k (a sampled token that is also in
@@ -46,6 +46,31 @@ class ChatLogprobs(msgspec.Struct):
     """Mirrors vLLM's `ChatCompletionLogProbs`."""
 
     content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """Mirrors vLLM's `CompletionLogProbs`."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+def completion_logprobs(entries: list[TokenLogprob], initial_text_offset: int) -> CompletionLogprobs:
+    """The completions API's form of the same entries (rendered with every top entry, top_logprobs=-1):
+    vLLM's `_create_completion_logprobs` lists all k + 1 entries of each token's dict, keyed by their
+    strings, and each token's offset in the text from the previous tokens' string lengths."""
+    offsets, offset = [], initial_text_offset
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return CompletionLogprobs(
+        text_offset=offsets,
+        token_logprobs=[entry.logprob for entry in entries],
+        tokens=[entry.token for entry in entries],
+        top_logprobs=[{top.token: top.logprob for top in entry.top_logprobs} for entry in entries],
+    )
 
 
 class TokenStrings:

@@ -201,12 +201,19 @@ class ChatCompletionChunk(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
 

@@ -51,9 +51,23 @@ def chat_logprobs(request: ChatCompletionRequest, max_logprobs: int, vocab_size:
     it (`top_logprobs` when `logprobs`), checked against the engines' `--max-logprobs` as vLLM does."""
     if not request.logprobs:
         return None
+    return _checked_logprobs(request.top_logprobs or 0, max_logprobs, vocab_size, engine_kind)
+
+
+def completion_logprobs(request: CompletionRequest, max_logprobs: int, vocab_size: int, engine_kind: str) -> int | None:
+    """The engine's `SamplingParams.logprobs` for a completion request (None: not asked for),
+    checked as vLLM checks it."""
+    requested = request.logprobs
+    if requested is None:
+        return None
+    if requested < 0 and requested != -1:
+        raise bad_request("`logprobs` must be a positive value or -1.", "logprobs")
+    return _checked_logprobs(requested, max_logprobs, vocab_size, engine_kind)
+
+
+def _checked_logprobs(requested: int, max_logprobs: int, vocab_size: int, engine_kind: str) -> int:
     if engine_kind == "mmserve-builtin":
         raise bad_request("logprobs are not computed by mmserve's built-in engine (serve a vLLM engine for them)", "logprobs")
-    requested = request.top_logprobs or 0
     allowed = vocab_size if max_logprobs == -1 else max_logprobs
     if (vocab_size if requested == -1 else requested) > allowed:
         raise bad_request(
@@ -69,8 +83,8 @@ def check_completion_request(request: CompletionRequest) -> None:
         raise bad_request("echo is not supported by this server yet", "echo")
     if request.suffix:
         raise bad_request("suffix is not supported by this server", "suffix")
-    if request.logprobs is not None:
-        raise bad_request("logprobs are not supported by this server yet", "logprobs")
+    if request.logprobs is not None and request.echo:
+        raise bad_request("logprobs with echo are not supported by this server yet", "echo")
 
 
 def check_token_ids(token_ids: list[int], max_token_id: int, param: str) -> None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from . import request_checks
 from .input_processing import PreparedRequest
+from .logprobs import completion_logprobs
 from .metrics import RequestRecord
 from .output_processing import ChoiceDelta, ChoiceResult, usage
-from .protocol import CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, UsageInfo
+from .protocol import CompletionChoice, CompletionChunk, CompletionLogProbs, CompletionRequest, CompletionResponse, UsageInfo
 from .serving_common import ServingContext
 from .sse import event_stream, sse, started
 from .stream_chunks import DeltaChunks
@@ -27,7 +30,12 @@ class CompletionServing:
         prompt = context.inputs.single_prompt(request)
         limits = await context.engine_limits()
         prompt_ids = await context.inputs.completion_prompt(prompt, limits)
-        prepared = context.inputs.prepare(request, prompt_ids, request.max_tokens, "cmpl", limits)
+        logprobs = request_checks.completion_logprobs(
+            request, context.settings.limits.max_logprobs, context.inputs.tokenizer.vocab_size, limits.engine_kind
+        )
+        prepared = context.inputs.prepare(request, prompt_ids, request.max_tokens, "cmpl", limits, logprobs=logprobs)
+        # The completions API shows every top entry of each token (see logprobs.completion_logprobs).
+        prepared.top_logprobs = None if logprobs is None else -1
         prepared.attach(record)
         if request.stream:
             return await started(self._stream(request, prepared))
@@ -38,6 +46,7 @@ class CompletionServing:
                 index=r.index, text=r.text, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
                 token_ids=r.token_ids if with_ids else None,
                 prompt_token_ids=prepared.prompt_token_ids if with_ids else None,
+                logprobs=None if r.logprobs is None else CompletionLogProbs.model_validate(msgspec.to_builtins(completion_logprobs(r.logprobs, 0))),
             )
 
         return await context.outputs.full_response(prepared, CompletionResponse, choice, model=context.model_name)
@@ -53,10 +62,18 @@ class CompletionServing:
 
         chunks = DeltaChunks("text_completion", prepared.request_id, prepared.created, model)
 
+        # Each choice's text offset for its next chunk's logprobs.
+        text_offsets = [0] * prepared.n
+
         def delta_chunk(delta: ChoiceDelta) -> bytes:
             first = delta.index not in sent_prompt_ids
             sent_prompt_ids.add(delta.index)
-            return chunks.completion(delta, with_ids, prepared.prompt_token_ids if (with_ids and first) else None)
+            logprobs = None
+            if delta.logprobs is not None:
+                logprobs = completion_logprobs(delta.logprobs, text_offsets[delta.index])
+                if logprobs.tokens:
+                    text_offsets[delta.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+            return chunks.completion(delta, with_ids, prepared.prompt_token_ids if (with_ids and first) else None, logprobs)
 
         deltas = self.context.outputs.deltas(prepared)
         async for event in event_stream(request, deltas, delta_chunk, lambda tokens: chunk([], usage_info=usage(prepared, tokens))):

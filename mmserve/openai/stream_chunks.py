@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .logprobs import ChatLogprobs
+from .logprobs import ChatLogprobs, CompletionLogprobs
 from .output_processing import ChoiceDelta
 
 _encode = msgspec.json.Encoder().encode
@@ -36,12 +36,13 @@ class ChatStreamChoice(msgspec.Struct, omit_defaults=True):
 
 
 class CompletionStreamChoice(msgspec.Struct, omit_defaults=True):
-    """`CompletionChoice` in a stream (its `logprobs` is always null, so never sent)."""
+    """`CompletionChoice` in a stream."""
 
     index: int
     text: str
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
 
@@ -64,8 +65,10 @@ class DeltaChunks:
             None if delta.logprobs is None else ChatLogprobs(delta.logprobs), delta.token_ids if with_ids else None,
         ))
 
-    def completion(self, delta: ChoiceDelta, with_ids: bool, prompt_token_ids: list[int] | None) -> bytes:
+    def completion(
+        self, delta: ChoiceDelta, with_ids: bool, prompt_token_ids: list[int] | None, logprobs: CompletionLogprobs | None = None
+    ) -> bytes:
         return self._event(CompletionStreamChoice(
             delta.index, delta.text, delta.finish_reason, delta.stop_reason,
-            delta.token_ids if with_ids else None, prompt_token_ids,
+            logprobs, delta.token_ids if with_ids else None, prompt_token_ids,
         ))

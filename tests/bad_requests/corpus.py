@@ -307,7 +307,9 @@ def _prompt_cases() -> list[BadRequest]:
         "max-tokens-overflow": (_cmpl(max_tokens=10**6), "max_tokens"),
         "echo": (_cmpl(echo=True), "echo"),
         "suffix": (_cmpl(suffix="end"), "suffix"),
-        "logprobs": (_cmpl(logprobs=2), "logprobs"),
+        "logprobs-negative": (_cmpl(logprobs=-2), "logprobs"),
+        "logprobs-beyond-max": (_cmpl(logprobs=21), "logprobs"),
+        "logprobs-with-echo": (_cmpl(logprobs=1, echo=True), "echo"),
         "unknown-model": (_cmpl(model="text-davinci-003"), "model"),
         "truncate-prompt-tokens": (_cmpl(truncate_prompt_tokens=-1), "truncate_prompt_tokens"),
     }

@@ -1,4 +1,4 @@
-"""Chat logprobs equal `vllm serve`'s own, to the last bit: tokens, bytes, values and top-k order,
+"""Chat and completions logprobs equal `vllm serve`'s own, to the last bit: tokens, bytes, values and top-k order,
 streamed and not, for text and image prompts, greedy and sampled, cut by a stop string; and the
 same 400s for the same bad values.
 
@@ -19,6 +19,7 @@ from tests.support.images import image_part, image_uri
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 TEXT = [{"role": "user", "content": "Write a short poem about the sea."}]
 IMAGE = [{"role": "user", "content": [image_part(image_uri(300, 200, 1)), {"type": "text", "text": "Describe this image."}]}]
 
@@ -34,8 +35,8 @@ def vllm_server(vllm_app):
         server.stop()
 
 
-def _post(base_url: str, body: dict) -> httpx.Response:
-    return httpx.post(base_url + CHAT, json=body, timeout=300)
+def _post(base_url: str, body: dict, route: str = CHAT) -> httpx.Response:
+    return httpx.post(base_url + route, json=body, timeout=300)
 
 
 def _streamed(base_url: str, body: dict) -> tuple[str, list[dict]]:
@@ -50,6 +51,21 @@ def _streamed(base_url: str, body: dict) -> tuple[str, list[dict]]:
                 text += choice["delta"].get("content") or ""
                 entries += (choice.get("logprobs") or {}).get("content") or []
     return text, entries
+
+
+def _streamed_completion(base_url: str, body: dict) -> tuple[str, dict[str, list]]:
+    """The streamed text and the logprobs lists of every chunk, concatenated."""
+    text, lists = "", {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    with httpx.stream("POST", base_url + COMPLETIONS, json={**body, "stream": True}, timeout=300) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[len("data: "):])["choices"]:
+                text += choice["text"]
+                for key, values in (choice.get("logprobs") or {}).items():
+                    lists[key] += values
+    return text, lists
 
 
 CASES = {
@@ -95,11 +111,35 @@ def test_logprobs_end_where_a_stop_string_cuts_the_answer(vllm_app, vllm_server)
 
 
 @pytest.mark.parametrize(
-    "fields",
-    [{"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": -2}],
+    ("route", "fields"),
+    [
+        (CHAT, {"logprobs": True, "top_logprobs": 21}), (CHAT, {"top_logprobs": 2}), (CHAT, {"logprobs": True, "top_logprobs": -2}),
+        (COMPLETIONS, {"logprobs": 21}), (COMPLETIONS, {"logprobs": -2}),
+    ],
 )
-def test_bad_logprobs_values_are_refused_as_vllm_refuses_them(vllm_app, vllm_server, fields):
-    body = {"model": vllm_app.model_name, "messages": TEXT, "max_tokens": 4, **fields}
-    ours, theirs = _post(vllm_app.app.base_url, body), _post(vllm_server.base_url, body)
+def test_bad_logprobs_values_are_refused_as_vllm_refuses_them(vllm_app, vllm_server, route, fields):
+    prompt = {"messages": TEXT} if route == CHAT else {"prompt": "The sea is"}
+    body = {"model": vllm_app.model_name, "max_tokens": 4, **prompt, **fields}
+    ours, theirs = _post(vllm_app.app.base_url, body, route), _post(vllm_server.base_url, body, route)
     assert ours.status_code == theirs.status_code == 400, (ours.text, theirs.text)
     assert ours.json()["error"]["message"] in theirs.json()["error"]["message"], (ours.text, theirs.text)
+
+
+COMPLETION_CASES = {
+    "greedy-3": {"prompt": "The sea is", "max_tokens": 24, "temperature": 0.0, "logprobs": 3},
+    "greedy-0": {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.0, "logprobs": 0},
+    "sampled-5": {"prompt": "The sea is", "max_tokens": 16, "temperature": 1.0, "seed": 3, "logprobs": 5},
+}
+
+
+@pytest.mark.parametrize("case", list(COMPLETION_CASES))
+def test_completion_logprobs_equal_vllm_serve_streamed_and_not(vllm_app, vllm_server, case):
+    body = {"model": vllm_app.model_name, **COMPLETION_CASES[case]}
+    ours, theirs = _post(vllm_app.app.base_url, body, COMPLETIONS), _post(vllm_server.base_url, body, COMPLETIONS)
+    assert ours.status_code == theirs.status_code == 200, (ours.text[:500], theirs.text[:500])
+    assert ours.json()["choices"][0]["text"] == theirs.json()["choices"][0]["text"]
+    assert ours.json()["choices"][0]["logprobs"] == theirs.json()["choices"][0]["logprobs"]
+    ours_text, ours_lists = _streamed_completion(vllm_app.app.base_url, body)
+    their_text, their_lists = _streamed_completion(vllm_server.base_url, body)
+    assert (ours_text, ours_lists) == (their_text, their_lists)
+    assert ours_lists == ours.json()["choices"][0]["logprobs"]
