@@ -39,32 +39,33 @@ def _post(base_url: str, body: dict, route: str = CHAT) -> httpx.Response:
     return httpx.post(base_url + route, json=body, timeout=300)
 
 
+def _streamed_choices(base_url: str, route: str, body: dict) -> list[dict]:
+    """Every streamed chunk's choices, in order."""
+    choices = []
+    with httpx.stream("POST", base_url + route, json={**body, "stream": True}, timeout=300) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices += json.loads(line[len("data: "):])["choices"]
+    return choices
+
+
 def _streamed(base_url: str, body: dict) -> tuple[str, list[dict]]:
     """The streamed text and the logprobs entries of every chunk, in order."""
     text, entries = "", []
-    with httpx.stream("POST", base_url + CHAT, json={**body, "stream": True}, timeout=300) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[len("data: "):])["choices"]:
-                text += choice["delta"].get("content") or ""
-                entries += (choice.get("logprobs") or {}).get("content") or []
+    for choice in _streamed_choices(base_url, CHAT, body):
+        text += choice["delta"].get("content") or ""
+        entries += (choice.get("logprobs") or {}).get("content") or []
     return text, entries
 
 
 def _streamed_completion(base_url: str, body: dict) -> tuple[str, dict[str, list]]:
     """The streamed text and the logprobs lists of every chunk, concatenated."""
     text, lists = "", {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-    with httpx.stream("POST", base_url + COMPLETIONS, json={**body, "stream": True}, timeout=300) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[len("data: "):])["choices"]:
-                text += choice["text"]
-                for key, values in (choice.get("logprobs") or {}).items():
-                    lists[key] += values
+    for choice in _streamed_choices(base_url, COMPLETIONS, body):
+        text += choice["text"]
+        for key, values in (choice.get("logprobs") or {}).items():
+            lists[key] += values
     return text, lists
 
 
