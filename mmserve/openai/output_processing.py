@@ -105,7 +105,9 @@ class OutputProcessor:
             result.text += delta.text
             result.token_ids.extend(delta.token_ids)
             if delta.logprobs is not None:
-                result.logprobs = (result.logprobs or []) + delta.logprobs
+                if result.logprobs is None:
+                    result.logprobs = []
+                result.logprobs.extend(delta.logprobs)
             if delta.finish_reason is not None:
                 result.finish_reason, result.stop_reason = delta.finish_reason, delta.stop_reason
         return response_type(
