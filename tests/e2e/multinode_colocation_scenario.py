@@ -34,6 +34,9 @@ def main() -> None:
             "model": str(BUILTIN_MODEL_DIR), "served_model_name": "mmserve-builtin",
             "engine_launch": {"count": 2, "resources": {"CPU": 0.5, "engine_slot": 1},
                               "vllm_command": [sys.executable, shim], "engine_args": {"max-model-len": 2048}},
+            # Spread by load alone: the prompts share the chat template's prefix, and affinity would
+            # rightly keep all eight on one engine within routing.max_imbalance.
+            "routing": {"affinity": False},
         }
         serve.run(build_app(args), name="mn", route_prefix="/mn", blocking=False)
         deadline = time.monotonic() + 180
@@ -49,7 +52,7 @@ def main() -> None:
                 "model": "mmserve-builtin", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 64,
                 "ignore_eos": True}).status_code
 
-        # Concurrent: today's router picks the engine with the fewest requests in flight.
+        # Concurrent: without affinity the router picks the engine with the fewest requests in flight.
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(ask, range(8)))
         placements = [
