@@ -63,7 +63,7 @@ class PreparedRequest:
     min_tokens: int
     # The engines' limits this request was checked against (from their handshake).
     limits: EngineLimits
-    # Chat logprobs: the number of top logprobs to show per token; None when not asked for.
+    # The number of top logprobs each token shows (-1: all the engine sent); None when not asked for.
     top_logprobs: int | None = None
     # Preprocessing under way (its response is never resolved in the ingress), None for text only.
     images: PendingImages | None = None
@@ -228,9 +228,13 @@ class InputProcessor:
         limits: EngineLimits,
         num_images: int = 0,
         logprobs: int | None = None,
+        shown_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> PreparedRequest:
-        """Check the sampling fields and build the engine's `SamplingParams` (one child's: n = 1);
-        `logprobs`: the number of top logprobs per token to compute, None for none."""
+        """Check the sampling fields and build the engine's `SamplingParams` (one child's: n = 1).
+        `logprobs`: the number of top logprobs per token to compute, None for none; `shown_logprobs`:
+        how many of them each token shows (default: all `logprobs`; -1: every entry of its dict);
+        `prompt_logprobs`: the same for the prompt's positions."""
         structured = structured_outputs(request)
         prompt_len = len(prompt_ids)
         prompt_param = "messages" if id_prefix == "chatcmpl" else "prompt"
@@ -256,6 +260,7 @@ class InputProcessor:
         )
         sampling = self._sampling_params(request, stop, stop_ids, engine_max_tokens, structured)
         sampling.logprobs = logprobs
+        sampling.prompt_logprobs = prompt_logprobs
         return PreparedRequest(
             request_id=f"{id_prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
@@ -268,7 +273,7 @@ class InputProcessor:
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             min_tokens=request.min_tokens,
             limits=limits,
-            top_logprobs=logprobs,
+            top_logprobs=None if logprobs is None else (logprobs if shown_logprobs is None else shown_logprobs),
         )
 
     def _sampling_params(

@@ -18,7 +18,7 @@ from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 from .errors import OpenAIError, openai_error
 from .input_processing import PreparedRequest
-from .logprobs import ChoiceLogprobs, TokenLogprob, TokenStrings
+from .logprobs import ChoiceLogprobs, PromptLogprobs, PromptLogprobsCollector, TokenLogprob, TokenStrings
 from .metrics import Metrics
 from .parallel_sampling import child_request, interleave
 from .protocol import UsageInfo
@@ -44,6 +44,9 @@ class ChoiceDelta:
     stop_reason: int | str | None = None
     # One entry per new token when the request asked for logprobs, else None.
     logprobs: list[TokenLogprob] | None = None
+    # The whole prompt's logprobs, when asked for, in the choice's first delta with tokens (or its
+    # last): the engine has sent them all by the time it samples the first token.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -56,6 +59,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def usage(prepared: PreparedRequest, completion_tokens: int) -> UsageInfo:
@@ -95,10 +99,10 @@ class OutputProcessor:
         choice: Callable[[ChoiceResult], Any],
         *,
         model: str,
-        extra: Callable[[], dict[str, Any]] = dict,
+        extra: Callable[[list[ChoiceResult]], dict[str, Any]] = lambda results: {},
     ) -> Response:
         """The non-streaming response of any endpoint: every choice collected, then usage.
-        `extra()` is read after the engine has answered (the prompt may have grown by images)."""
+        `extra(results)` is read after the engine has answered (the prompt may have grown by images)."""
         results = [ChoiceResult(i) for i in range(prepared.n)]
         async for delta in self.deltas(prepared):
             result = results[delta.index]
@@ -108,6 +112,8 @@ class OutputProcessor:
                 if result.logprobs is None:
                     result.logprobs = []
                 result.logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs is not None:
+                result.prompt_logprobs = delta.prompt_logprobs
             if delta.finish_reason is not None:
                 result.finish_reason, result.stop_reason = delta.finish_reason, delta.stop_reason
         return response_type(
@@ -116,7 +122,7 @@ class OutputProcessor:
             model=model,
             choices=[choice(r) for r in results],
             usage=usage(prepared, sum(len(r.token_ids) for r in results)),
-            **extra(),
+            **extra(results),
         )
 
     async def _choice_deltas(self, prepared: PreparedRequest, index: int) -> AsyncIterator[ChoiceDelta]:
@@ -124,6 +130,7 @@ class OutputProcessor:
         seq: SequenceText | None = None
         emitted_ids = 0
         choice_logprobs = None if prepared.top_logprobs is None else ChoiceLogprobs(self.token_strings, prepared.top_logprobs)
+        prompt_logprobs = None if prepared.sampling.prompt_logprobs is None else PromptLogprobsCollector(self.token_strings)
         engine_request = child_request(
             prepared.request_id, prepared.prompt_token_ids, prepared.sampling, prepared.n, index, prepared.record.arrival_time
         )
@@ -148,6 +155,8 @@ class OutputProcessor:
                     finish = output.finish_reason
                     if finish is FinishReason.ERROR:
                         raise OpenAIError("the engine failed to process the request", status=500)
+                    if prompt_logprobs is not None and output.new_prompt_logprobs_tensors is not None:
+                        prompt_logprobs.add(output.new_prompt_logprobs_tensors)
                     num_before = len(seq.token_ids)
                     stop_string = seq.update(output.new_token_ids, stop_terminated=finish is FinishReason.STOP)
                     if logprobs is not None:
@@ -161,7 +170,10 @@ class OutputProcessor:
                 text = seq.next_delta(finished=finish_reason is not None)
                 new_ids = seq.token_ids[emitted_ids:]
                 emitted_ids = len(seq.token_ids)
-                yield ChoiceDelta(index, text, new_ids, finish_reason, stop_reason, logprobs)
+                prompt_positions = None
+                if prompt_logprobs is not None and (new_ids or finish_reason is not None):
+                    prompt_positions, prompt_logprobs = prompt_logprobs.positions, None
+                yield ChoiceDelta(index, text, new_ids, finish_reason, stop_reason, logprobs, prompt_positions)
                 if finish_reason is not None:
                     return
             raise OpenAIError("the engine stream ended without finishing the request", status=500)

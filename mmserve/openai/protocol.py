@@ -4,8 +4,8 @@ Requests are validated in strict mode straight from the JSON bytes, so a string 
 number belongs is a 400, not a silent conversion. Fields vLLM's server accepts beyond
 OpenAI's (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
 skip_special_tokens, include_stop_str_in_output, return_token_ids, structured_outputs,
-bad_words, allowed_token_ids) are accepted too; a few vLLM fields this server does not
-implement (truncate_prompt_tokens, prompt_logprobs) are parsed only to be refused with a 400.
+bad_words, allowed_token_ids, prompt_logprobs) are accepted too; a vLLM field this server does not
+implement (truncate_prompt_tokens) is parsed only to be refused with a 400.
 Unknown fields are ignored, as OpenAI and vLLM do. Ranges and cross-field rules are checked
 in `request_checks.py` and `structured_outputs.py`.
 """
@@ -106,9 +106,10 @@ class SamplingRequestFields(BaseModel):
     response_format: dict | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
-    # vLLM extensions refused with a 400 (not implemented here).
-    truncate_prompt_tokens: int | None = None
+    # vLLM extension: the prompt's logprobs (non-streamed answers), this many top entries per position.
     prompt_logprobs: int | None = None
+    # vLLM extension refused with a 400 (not implemented here).
+    truncate_prompt_tokens: int | None = None
 
 
 class ChatCompletionRequest(SamplingRequestFields):
@@ -157,6 +158,18 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob`, as `prompt_logprobs` shows it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt position: None for the first, else {token id: its logprob}.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ResponseMessage
@@ -174,6 +187,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
 
 
@@ -214,6 +228,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: CompletionLogProbs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
 

@@ -25,8 +25,6 @@ MAX_BAD_WORD_CHARS = 512
 def _check_unsupported(request: SamplingRequestFields) -> None:
     if request.truncate_prompt_tokens is not None:
         raise bad_request("truncate_prompt_tokens is not supported by this server", "truncate_prompt_tokens")
-    if request.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs are not supported by this server yet", "prompt_logprobs")
 
 
 def check_chat_request(request: ChatCompletionRequest) -> None:
@@ -65,26 +63,38 @@ def completion_logprobs(request: CompletionRequest, max_logprobs: int, vocab_siz
     return _checked_logprobs(requested, max_logprobs, vocab_size, engine_kind)
 
 
-def _checked_logprobs(requested: int, max_logprobs: int, vocab_size: int, engine_kind: str) -> int:
+def prompt_logprobs(request: SamplingRequestFields, max_logprobs: int, vocab_size: int, engine_kind: str) -> int | None:
+    """The engine's `SamplingParams.prompt_logprobs` (None: not asked for), checked word for word as
+    vLLM's request models (`check_logprobs`) and `SamplingParams._validate_logprobs` check it."""
+    requested = request.prompt_logprobs
+    if requested is None:
+        return None
+    if request.stream and (requested > 0 or requested == -1):
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    if requested < 0 and requested != -1:
+        raise bad_request("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
+    return _checked_logprobs(requested, max_logprobs, vocab_size, engine_kind, "prompt")
+
+
+def _checked_logprobs(requested: int, max_logprobs: int, vocab_size: int, engine_kind: str, kind: str = "sample") -> int:
+    param = "logprobs" if kind == "sample" else "prompt_logprobs"
     if engine_kind == "mmserve-builtin":
-        raise bad_request("logprobs are not computed by mmserve's built-in engine (serve a vLLM engine for them)", "logprobs")
+        raise bad_request(f"{param} are not computed by mmserve's built-in engine (serve a vLLM engine for them)", param)
     allowed = vocab_size if max_logprobs == -1 else max_logprobs
     if (vocab_size if requested == -1 else requested) > allowed:
         raise bad_request(
-            f"Requested sample logprobs of {vocab_size if requested == -1 else requested}, "
-            f"which is greater than max allowed: {allowed}", "logprobs",
+            f"Requested {kind} logprobs of {vocab_size if requested == -1 else requested}, "
+            f"which is greater than max allowed: {allowed}", param,
         )
     return requested
 
 
 def check_completion_request(request: CompletionRequest) -> None:
     _check_unsupported(request)
-    if request.echo:
-        raise bad_request("echo is not supported by this server yet", "echo")
     if request.suffix:
         raise bad_request("suffix is not supported by this server", "suffix")
-    if request.logprobs is not None and request.echo:
-        raise bad_request("logprobs with echo are not supported by this server yet", "echo")
+    if request.echo and request.max_tokens == 0:
+        raise bad_request("echo with max_tokens=0 (the prompt alone) is not supported by this server yet", "max_tokens")
 
 
 def check_token_ids(token_ids: list[int], max_token_id: int, param: str) -> None:

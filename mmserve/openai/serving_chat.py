@@ -23,7 +23,7 @@ from .protocol import (
     ResponseMessage,
     UsageInfo,
 )
-from .serving_common import ServingContext
+from .serving_common import ServingContext, prompt_logprobs_response
 from .sse import event_stream, sse, started
 from .stream_chunks import DeltaChunks
 
@@ -46,8 +46,12 @@ class ChatServing:
         logprobs = request_checks.chat_logprobs(
             request, context.settings.limits.max_logprobs, context.inputs.tokenizer.vocab_size, limits.engine_kind
         )
+        prompt_logprobs = request_checks.prompt_logprobs(
+            request, context.settings.limits.max_logprobs, context.inputs.tokenizer.vocab_size, limits.engine_kind
+        )
         prepared = context.inputs.prepare(
-            request, prompt_ids, max_tokens, "chatcmpl", limits, num_images=num_images, logprobs=logprobs
+            request, prompt_ids, max_tokens, "chatcmpl", limits, num_images=num_images,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
         prepared.attach(record, num_images=num_images)
         if image_urls:
@@ -72,7 +76,10 @@ class ChatServing:
 
         return await context.outputs.full_response(
             prepared, ChatCompletionResponse, choice, model=context.model_name,
-            extra=lambda: {"prompt_token_ids": prepared.prompt_token_ids if with_ids else None},
+            extra=lambda results: {
+                "prompt_token_ids": prepared.prompt_token_ids if with_ids else None,
+                "prompt_logprobs": None if results[0].prompt_logprobs is None else prompt_logprobs_response(results[0].prompt_logprobs),
+            },
         )
 
     async def _stream(self, request: ChatCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str | bytes]:

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from .engine_router import EngineLimits, EngineRouting
 from .errors import OpenAIError, openai_error
 from .input_processing import InputProcessor
+from .logprobs import PromptLogprobs
 from .output_processing import OutputProcessor
+from .protocol import PromptLogprob
+from .protocol import PromptLogprobs as PromptLogprobsBody
 from .settings import ServingSettings
 
 
@@ -38,3 +41,14 @@ class ServingContext:
             if error is None:
                 raise
             raise error from None
+
+
+def prompt_logprobs_response(positions: PromptLogprobs) -> PromptLogprobsBody:
+    """The prompt's logprobs as the response models hold them (built, not validated: they are ours)."""
+    return [
+        None if entries is None else {
+            token_id: PromptLogprob.model_construct(logprob=e.logprob, rank=e.rank, decoded_token=e.decoded_token)
+            for token_id, e in entries.items()
+        }
+        for entries in positions
+    ]

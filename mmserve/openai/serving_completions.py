@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 import msgspec
 
 from . import request_checks
+from .errors import OpenAIError
 from .input_processing import PreparedRequest
-from .logprobs import completion_logprobs
+from .logprobs import CompletionToken, PromptLogprobs, completion_logprobs, completion_tokens, echoed_prompt_tokens
 from .metrics import RequestRecord
 from .output_processing import ChoiceDelta, ChoiceResult, usage
-from .protocol import CompletionChoice, CompletionChunk, CompletionLogProbs, CompletionRequest, CompletionResponse, UsageInfo
-from .serving_common import ServingContext
+from .protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from .serving_common import ServingContext, prompt_logprobs_response
 from .sse import event_stream, sse, started
 from .stream_chunks import DeltaChunks
 
@@ -30,31 +39,43 @@ class CompletionServing:
         prompt = context.inputs.single_prompt(request)
         limits = await context.engine_limits()
         prompt_ids = await context.inputs.completion_prompt(prompt, limits)
-        logprobs = request_checks.completion_logprobs(
-            request, context.settings.limits.max_logprobs, context.inputs.tokenizer.vocab_size, limits.engine_kind
+        max_logprobs, vocab_size = context.settings.limits.max_logprobs, context.inputs.tokenizer.vocab_size
+        logprobs = request_checks.completion_logprobs(request, max_logprobs, vocab_size, limits.engine_kind)
+        prompt_logprobs = request_checks.prompt_logprobs(request, max_logprobs, vocab_size, limits.engine_kind)
+        if request.echo and prompt_logprobs is None:
+            prompt_logprobs = logprobs  # vLLM's default: an echoed prompt shows logprobs as the answer does
+        # The completions API shows every top entry of each token (see logprobs.completion_tokens).
+        prepared = context.inputs.prepare(
+            request, prompt_ids, request.max_tokens, "cmpl", limits,
+            logprobs=logprobs, shown_logprobs=-1, prompt_logprobs=prompt_logprobs,
         )
-        prepared = context.inputs.prepare(request, prompt_ids, request.max_tokens, "cmpl", limits, logprobs=logprobs)
-        # The completions API shows every top entry of each token (see logprobs.completion_logprobs).
-        prepared.top_logprobs = None if logprobs is None else -1
         prepared.attach(record)
+        echo = _Echo(self, request, prompt, prepared) if request.echo else None
         if request.stream:
-            return await started(self._stream(request, prepared))
+            return await started(self._stream(request, prepared, echo))
         with_ids = bool(request.return_token_ids)
 
         def choice(r: ChoiceResult) -> CompletionChoice:
+            tokens = None if r.logprobs is None else completion_tokens(r.logprobs)
+            text = r.text
+            if echo is not None:
+                text = echo.text + text
+                if tokens is not None:
+                    tokens = echo.tokens(r.prompt_logprobs) + tokens
             return CompletionChoice(
-                index=r.index, text=r.text, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+                index=r.index, text=text, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
                 token_ids=r.token_ids if with_ids else None,
                 prompt_token_ids=prepared.prompt_token_ids if with_ids else None,
-                logprobs=None if r.logprobs is None else CompletionLogProbs.model_validate(msgspec.to_builtins(completion_logprobs(r.logprobs, 0))),
+                logprobs=None if tokens is None else CompletionLogProbs.model_validate(msgspec.to_builtins(completion_logprobs(tokens, 0))),
+                prompt_logprobs=None if r.prompt_logprobs is None else prompt_logprobs_response(r.prompt_logprobs),
             )
 
         return await context.outputs.full_response(prepared, CompletionResponse, choice, model=context.model_name)
 
-    async def _stream(self, request: CompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str | bytes]:
+    async def _stream(self, request: CompletionRequest, prepared: PreparedRequest, echo: _Echo | None) -> AsyncIterator[str | bytes]:
         with_ids = bool(request.return_token_ids)
         model = self.context.model_name
-        sent_prompt_ids: set[int] = set()
+        started_choices: set[int] = set()
 
         def chunk(choices: list[CompletionChoice], usage_info: UsageInfo | None = None) -> str:
             body = CompletionChunk(id=prepared.request_id, created=prepared.created, model=model, choices=choices, usage=usage_info)
@@ -66,11 +87,17 @@ class CompletionServing:
         text_offsets = [0] * prepared.n
 
         def delta_chunk(delta: ChoiceDelta) -> bytes:
-            first = delta.index not in sent_prompt_ids
-            sent_prompt_ids.add(delta.index)
+            # A choice's first chunk carries the prompt's ids when asked for, and the echoed prompt.
+            first = delta.index not in started_choices
+            started_choices.add(delta.index)
+            tokens = None if delta.logprobs is None else completion_tokens(delta.logprobs)
+            if echo is not None and first:
+                delta = dataclasses.replace(delta, text=echo.text + delta.text)
+                if tokens is not None:
+                    tokens = echo.tokens(delta.prompt_logprobs) + tokens
             logprobs = None
-            if delta.logprobs is not None:
-                logprobs = completion_logprobs(delta.logprobs, text_offsets[delta.index])
+            if tokens is not None:
+                logprobs = completion_logprobs(tokens, text_offsets[delta.index])
                 if logprobs.tokens:
                     text_offsets[delta.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
             return chunks.completion(delta, with_ids, prepared.prompt_token_ids if (with_ids and first) else None, logprobs)
@@ -78,3 +105,25 @@ class CompletionServing:
         deltas = self.context.outputs.deltas(prepared)
         async for event in event_stream(request, deltas, delta_chunk, lambda tokens: chunk([], usage_info=usage(prepared, tokens))):
             yield event
+
+
+class _Echo:
+    """What `echo` puts before each choice's answer: the prompt's text (none with `return_token_ids`,
+    as vLLM) and, with `logprobs`, its tokens."""
+
+    def __init__(self, serving: CompletionServing, request: CompletionRequest, prompt: str | list[int], prepared: PreparedRequest) -> None:
+        strings = serving.context.outputs.token_strings
+        if request.return_token_ids:
+            self.text = ""
+        else:
+            # vLLM's renderer decodes a token prompt with the tokenizer's defaults (special tokens kept).
+            self.text = prompt if isinstance(prompt, str) else strings.decode(prepared.prompt_token_ids)
+        self._strings = strings
+        self._prompt_ids = prepared.prompt_token_ids
+        self._num_shown = -1 if request.logprobs is None else request.logprobs
+
+    def tokens(self, positions: PromptLogprobs | None) -> list[CompletionToken]:
+        if positions is None:
+            # Asked for with the logprobs (vLLM's default for echo), they come with the choice's first tokens.
+            raise OpenAIError("the engine sent no prompt logprobs for a request that asked for them", status=500)
+        return echoed_prompt_tokens(self._prompt_ids, positions, self._num_shown, self._strings)

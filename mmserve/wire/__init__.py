@@ -8,6 +8,8 @@ from .engine_core import (
     EngineCoreRequest,
     FinishReason,
     LogprobsLists,
+    LogprobsTensors,
+    OutputTensor,
     RequestType,
     SchedulerStats,
     UtilityOutput,
@@ -32,7 +34,7 @@ __all__ = [
     "ENGINE_CORE_DEAD", "SUPPORTED_VLLM_VERSIONS",
     "BatchedField", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest",
     "EngineDeadMessage", "EngineStatusMessage", "EngineZmqAddresses", "FieldElem", "FinishReason",
-    "FlatField", "HandshakeInit", "LogprobsLists", "MultiModalFeatureSpec", "OutputDecoder", "PlaceholderRange",
+    "FlatField", "HandshakeInit", "LogprobsLists", "LogprobsTensors", "MultiModalFeatureSpec", "OutputDecoder", "OutputTensor", "PlaceholderRange",
     "ReadyResponse", "RequestEncoder", "RequestType", "SamplingParams", "SchedulerStats",
     "SharedField", "StructuredOutputsParams", "UtilityOutput", "WireArray", "WireTensor",
 ]

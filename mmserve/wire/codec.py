@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .engine_core import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest, LogprobsLists, RequestType
+from .engine_core import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest, OutputTensor, RequestType, WireArray
 from .handshake import EngineStatusMessage, HandshakeInit, ReadyResponse
 from .multimodal import BatchedField, FieldElem, FlatField, SharedField, WireTensor
 
@@ -103,14 +103,18 @@ class OutputDecoder:
         outputs = self._decoder.decode(first)
         for output in outputs.outputs:
             if output.new_logprobs is not None:
-                _resolve_frames(output.new_logprobs, frames)
+                lists = output.new_logprobs
+                _resolve_frames((lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks), frames)
+            if output.new_prompt_logprobs_tensors is not None:
+                tensors = output.new_prompt_logprobs_tensors
+                _resolve_frames((tensors.logprob_token_ids, tensors.logprobs, tensors.selected_token_ranks), frames)
         return outputs
 
 
-def _resolve_frames(logprobs: LogprobsLists, frames: Sequence[bytes | memoryview]) -> None:
+def _resolve_frames(arrays: tuple[WireArray | OutputTensor, ...], frames: Sequence[bytes | memoryview]) -> None:
     """Each array's data as bytes of its own: the out-of-band frame it names (arrays of
     `OOB_THRESHOLD` bytes or more), or a copy of its inline view (the frame is reused)."""
-    for array in (logprobs.logprob_token_ids, logprobs.logprobs, logprobs.sampled_token_ranks):
+    for array in arrays:
         array.data = bytes(frames[array.data]) if isinstance(array.data, int) else bytes(array.data)
 
 

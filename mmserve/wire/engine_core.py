@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .multimodal import MultiModalFeatureSpec
+from .multimodal import NUMPY_DTYPE_BY_TORCH, MultiModalFeatureSpec
 from .sampling import SamplingParams
 
 
@@ -94,13 +94,40 @@ class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
     cu_num_generated_tokens: list[int] | None = None
 
 
+class OutputTensor(msgspec.Struct, array_like=True, gc=False):
+    """A torch tensor in an engine output, as vLLM's encoder writes it (`MsgpackEncoder._encode_tensor`):
+    `[torch dtype name, shape, data]`, data inline or the index of an out-of-band frame, which
+    `OutputDecoder` resolves as for `WireArray`. (`WireTensor` is the sending side's.)"""
+
+    dtype: str
+    shape: list[int]
+    data: Any
+
+    def array(self) -> np.ndarray:
+        numpy_dtype = NUMPY_DTYPE_BY_TORCH.get(self.dtype)
+        if numpy_dtype is None:
+            raise ValueError(f"the engine sent a tensor of dtype {self.dtype!r}, which this gateway does not read")
+        return np.frombuffer(self.data, dtype=numpy_dtype).reshape(self.shape)
+
+
+class LogprobsTensors(msgspec.Struct, array_like=True, gc=False):
+    """Mirrors `vllm.v1.outputs.LogprobsTensors` (a NamedTuple): one chunk of a request's prompt
+    logprobs, one row per prompt position from the second on: the prompt token first, then the top-k."""
+
+    logprob_token_ids: OutputTensor  # [positions, k + 1], int64
+    logprobs: OutputTensor  # [positions, k + 1], float32
+    selected_token_ranks: OutputTensor  # [positions]: the prompt token's rank
+    cu_num_generated_tokens: list[int] | None = None
+    cu_num_generated_tokens_tensor: Any = None
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Mirrors `vllm.v1.engine.EngineCoreOutput`: the new tokens of one request in one step."""
 
     request_id: str
     new_token_ids: list[int]
     new_logprobs: LogprobsLists | None = None
-    new_prompt_logprobs_tensors: Any = None
+    new_prompt_logprobs_tensors: LogprobsTensors | None = None
     pooling_output: Any = None
     finish_reason: FinishReason | None = None
     # Matched stop token id (int), or a stop string (str), or None (EOS / length).

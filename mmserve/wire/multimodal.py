@@ -27,6 +27,8 @@ _TORCH_DTYPE_BY_NUMPY = {
     np.dtype(np.float64): "float64",
     np.dtype(np.bool_): "bool",
 }
+# The other way, for tensors the engine sends back (bfloat16 excepted: none of them is).
+NUMPY_DTYPE_BY_TORCH = {name: dtype for dtype, name in _TORCH_DTYPE_BY_NUMPY.items()}
 TORCH_ITEMSIZE = {
     "uint8": 1, "int8": 1, "bool": 1, "int16": 2, "float16": 2, "bfloat16": 2,
     "int32": 4, "float32": 4, "int64": 8, "float64": 8,

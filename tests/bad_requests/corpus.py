@@ -284,7 +284,9 @@ def _message_cases() -> list[BadRequest]:
         "top-logprobs-negative": (_chat(logprobs=True, top_logprobs=-2), "top_logprobs"),
         "top-logprobs-beyond-max": (_chat(logprobs=True, top_logprobs=21), "logprobs"),
         "truncate-prompt-tokens": (_chat(truncate_prompt_tokens=5), "truncate_prompt_tokens"),
-        "prompt-logprobs": (_chat(prompt_logprobs=1), "prompt_logprobs"),
+        "prompt-logprobs-beyond-max": (_chat(prompt_logprobs=21), "prompt_logprobs"),
+        "prompt-logprobs-negative": (_chat(prompt_logprobs=-3), "prompt_logprobs"),
+        "prompt-logprobs-streamed": (_chat(prompt_logprobs=1, stream=True), "prompt_logprobs"),
     }
     return [BadRequest(f"messages-{name}", "messages", CHAT, body, param) for name, (body, param) in bodies.items()]
 
@@ -305,11 +307,12 @@ def _prompt_cases() -> list[BadRequest]:
         "too-long-tokens": ({"prompt": [100] * 5000, "max_tokens": 8}, "prompt"),
         "too-long-tokens-stream": ({"prompt": [100] * 5000, "stream": True}, "prompt"),
         "max-tokens-overflow": (_cmpl(max_tokens=10**6), "max_tokens"),
-        "echo": (_cmpl(echo=True), "echo"),
+        "echo-without-generation": (_cmpl(echo=True, max_tokens=0), "max_tokens"),
         "suffix": (_cmpl(suffix="end"), "suffix"),
         "logprobs-negative": (_cmpl(logprobs=-2), "logprobs"),
         "logprobs-beyond-max": (_cmpl(logprobs=21), "logprobs"),
-        "logprobs-with-echo": (_cmpl(logprobs=1, echo=True), "echo"),
+        "logprobs-with-echo-beyond-max": (_cmpl(logprobs=21, echo=True), "logprobs"),
+        "prompt-logprobs-streamed": (_cmpl(prompt_logprobs=3, stream=True), "prompt_logprobs"),
         "unknown-model": (_cmpl(model="text-davinci-003"), "model"),
         "truncate-prompt-tokens": (_cmpl(truncate_prompt_tokens=-1), "truncate_prompt_tokens"),
     }

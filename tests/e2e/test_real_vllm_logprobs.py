@@ -1,4 +1,4 @@
-"""Chat and completions logprobs equal `vllm serve`'s own, to the last bit: tokens, bytes, values and top-k order,
+"""Chat and completions logprobs and prompt logprobs equal `vllm serve`'s own, to the last bit: tokens, bytes, values and top-k order,
 streamed and not, for text and image prompts, greedy and sampled, cut by a stop string; and the
 same 400s for the same bad values.
 
@@ -144,3 +144,83 @@ def test_completion_logprobs_equal_vllm_serve_streamed_and_not(vllm_app, vllm_se
     their_text, their_lists = _streamed_completion(vllm_server.base_url, body)
     assert (ours_text, ours_lists) == (their_text, their_lists)
     assert ours_lists == ours.json()["choices"][0]["logprobs"]
+
+
+PROMPT_CASES = {
+    "chat-text-3": (CHAT, {"messages": TEXT, "max_tokens": 4, "temperature": 0.0, "prompt_logprobs": 3}),
+    "chat-text-0-with-logprobs": (CHAT, {"messages": TEXT, "max_tokens": 4, "temperature": 0.0, "prompt_logprobs": 0,
+                                         "logprobs": True, "top_logprobs": 2}),
+    # ≈70 positions × 3 entries: the tensors travel as out-of-band frames.
+    "chat-image-2": (CHAT, {"messages": IMAGE, "max_tokens": 4, "temperature": 0.0, "prompt_logprobs": 2}),
+    "completion-5": (COMPLETIONS, {"prompt": "Once upon a time, by the sea, there was a", "max_tokens": 4,
+                                   "temperature": 0.0, "prompt_logprobs": 5}),
+    "completion-20-with-logprobs": (COMPLETIONS, {"prompt": "The sea is", "max_tokens": 3, "temperature": 0.0,
+                                                  "prompt_logprobs": 20, "logprobs": 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(PROMPT_CASES))
+def test_prompt_logprobs_equal_vllm_serve(vllm_app, vllm_server, case):
+    route, fields = PROMPT_CASES[case]
+    body = {"model": vllm_app.model_name, **fields}
+    ours, theirs = _post(vllm_app.app.base_url, body, route), _post(vllm_server.base_url, body, route)
+    assert ours.status_code == theirs.status_code == 200, (ours.text[:500], theirs.text[:500])
+    if route == CHAT:
+        ours_positions, their_positions = ours.json()["prompt_logprobs"], theirs.json()["prompt_logprobs"]
+        assert ours.json()["choices"][0].get("logprobs") == theirs.json()["choices"][0]["logprobs"]
+    else:
+        ours_positions, their_positions = ours.json()["choices"][0]["prompt_logprobs"], theirs.json()["choices"][0]["prompt_logprobs"]
+        assert ours.json()["choices"][0].get("logprobs") == theirs.json()["choices"][0]["logprobs"]
+    assert ours_positions == their_positions
+    assert ours_positions[0] is None and len(ours_positions) == ours.json()["usage"]["prompt_tokens"]
+    assert all(len(entries) >= 1 for entries in ours_positions[1:])
+
+
+@pytest.mark.parametrize(
+    ("route", "fields"),
+    [
+        (CHAT, {"prompt_logprobs": 21}), (CHAT, {"prompt_logprobs": -2}), (CHAT, {"prompt_logprobs": 1, "stream": True}),
+        (COMPLETIONS, {"prompt_logprobs": -1}), (COMPLETIONS, {"prompt_logprobs": 2, "stream": True}),
+    ],
+)
+def test_bad_prompt_logprobs_are_refused_as_vllm_refuses_them(vllm_app, vllm_server, route, fields):
+    prompt = {"messages": TEXT} if route == CHAT else {"prompt": "The sea is"}
+    body = {"model": vllm_app.model_name, "max_tokens": 4, **prompt, **fields}
+    ours, theirs = _post(vllm_app.app.base_url, body, route), _post(vllm_server.base_url, body, route)
+    assert ours.status_code == theirs.status_code == 400, (ours.text, theirs.text)
+    assert ours.json()["error"]["message"] in theirs.json()["error"]["message"], (ours.text, theirs.text)
+
+
+ECHO_CASES = {
+    "text": {"prompt": "Once upon a time, by the sea,", "max_tokens": 8, "temperature": 0.0, "echo": True},
+    "text-logprobs-2": {"prompt": "The sea is", "max_tokens": 8, "temperature": 0.0, "echo": True, "logprobs": 2},
+    "tokens-logprobs-0": {"prompt": [785, 1396, 374, 264, 12], "max_tokens": 6, "temperature": 0.0, "echo": True, "logprobs": 0},
+    "text-logprobs-1-prompt-4": {"prompt": "The sea is", "max_tokens": 5, "temperature": 0.0, "echo": True, "logprobs": 1,
+                                 "prompt_logprobs": 4},
+    "with-token-ids": {"prompt": "The sea is", "max_tokens": 5, "temperature": 0.0, "echo": True, "return_token_ids": True},
+}
+
+
+@pytest.mark.parametrize("case", list(ECHO_CASES))
+def test_echo_equals_vllm_serve_streamed_and_not(vllm_app, vllm_server, case):
+    body = {"model": vllm_app.model_name, **ECHO_CASES[case]}
+    ours, theirs = _post(vllm_app.app.base_url, body, COMPLETIONS), _post(vllm_server.base_url, body, COMPLETIONS)
+    assert ours.status_code == theirs.status_code == 200, (ours.text[:500], theirs.text[:500])
+    ours_choice, their_choice = ours.json()["choices"][0], theirs.json()["choices"][0]
+    for key in ("text", "logprobs", "prompt_logprobs", "token_ids", "prompt_token_ids"):
+        assert ours_choice.get(key) == their_choice.get(key), key
+    if not body.get("return_token_ids") and isinstance(body["prompt"], str):
+        assert ours_choice["text"].startswith(body["prompt"])
+    if "prompt_logprobs" in body:  # streamed, refused by both
+        stream = {**body, "stream": True}
+        ours, theirs = _post(vllm_app.app.base_url, stream, COMPLETIONS), _post(vllm_server.base_url, stream, COMPLETIONS)
+        assert ours.status_code == theirs.status_code == 400, (ours.text, theirs.text)
+    elif "logprobs" in body:
+        ours_text, ours_lists = _streamed_completion(vllm_app.app.base_url, body)
+        their_text, their_lists = _streamed_completion(vllm_server.base_url, body)
+        assert (ours_text, ours_lists) == (their_text, their_lists)
+        assert ours_text == ours_choice["text"] and ours_lists == ours_choice["logprobs"]
+    else:
+        ours_text, _ = _streamed_completion(vllm_app.app.base_url, body)
+        their_text, _ = _streamed_completion(vllm_server.base_url, body)
+        assert ours_text == their_text == ours_choice["text"]

@@ -167,3 +167,10 @@ def test_logprobs_are_refused_on_the_built_in_engine_and_checked_against_max_log
         request_checks.chat_logprobs(request, 5, 1000, "vllm")
     assert request_checks.chat_logprobs(request, -1, 1000, "vllm") == 6
     assert request_checks.chat_logprobs(ChatCompletionRequest.model_validate(chat), 5, 1000, "vllm") is None
+    with pytest.raises(OpenAIError) as refused:
+        asyncio.run(server.chat(ChatCompletionRequest.model_validate({**chat, "prompt_logprobs": 0})))
+    assert refused.value.status == 400 and refused.value.param == "prompt_logprobs" and "built-in engine" in refused.value.message
+    prompt_request = ChatCompletionRequest.model_validate({**chat, "prompt_logprobs": -1})
+    with pytest.raises(OpenAIError, match="Requested prompt logprobs of 1000, which is greater than max allowed: 5"):
+        request_checks.prompt_logprobs(prompt_request, 5, 1000, "vllm")
+    assert request_checks.prompt_logprobs(prompt_request, -1, 1000, "vllm") == -1

@@ -223,8 +223,8 @@ def test_outputs_with_fields_appended_by_newer_vllm_still_decode():
 
 
 def test_pickle_ext_types_are_refused():
-    # In new_prompt_logprobs_tensors, a field the decoder does not type (any ext would be accepted there).
-    bad = msgspec.msgpack.encode([0, [["r", [1], None, msgspec.msgpack.Ext(1, b"\x80\x04K\x01.")]]])
+    # In pooling_output, a field the decoder does not type (any ext would be accepted there).
+    bad = msgspec.msgpack.encode([0, [["r", [1], None, None, msgspec.msgpack.Ext(1, b"\x80\x04K\x01.")]]])
     with pytest.raises(ValueError, match="pickle"):
         OutputDecoder().decode([bad])
 
@@ -246,5 +246,27 @@ def test_sample_logprobs_encoded_by_vllm_decode_with_ours_inline_and_out_of_band
     assert np.array_equal(decoded.logprobs.array(), values)
     assert np.array_equal(decoded.sampled_token_ranks.array(), ranks)
     # Self-contained: it travels on to the ingress re-encoded, without the frames.
+    again = msgspec.msgpack.decode(msgspec.msgpack.encode(decoded), type=type(decoded))
+    assert np.array_equal(again.logprobs.array(), values)
+
+
+@pytest.mark.parametrize("top_k", [1, 20])  # 20: tensors of 256 bytes or more travel out of band
+def test_prompt_logprobs_encoded_by_vllm_decode_with_ours_inline_and_out_of_band(top_k):
+    import torch
+    from vllm.v1.outputs import LogprobsTensors
+
+    rng = np.random.default_rng(top_k)
+    ids = rng.integers(0, 150_000, (5, top_k + 1)).astype(np.int64)
+    values = rng.standard_normal((5, top_k + 1)).astype(np.float32)
+    ranks = np.array([1, 4, 2, 9, 3], dtype=np.int64)
+    tensors = LogprobsTensors(torch.from_numpy(ids), torch.from_numpy(values), torch.from_numpy(ranks))
+    outputs = vllm_engine.EngineCoreOutputs(outputs=[vllm_engine.EngineCoreOutput("r1", [], new_prompt_logprobs_tensors=tensors)])
+    frames = serial.MsgpackEncoder().encode(outputs)
+    assert (len(frames) > 1) == (ids.nbytes >= 256)
+    decoded = OutputDecoder().decode([bytes(f) for f in frames]).outputs[0].new_prompt_logprobs_tensors
+    assert decoded.logprob_token_ids.dtype == "int64" and decoded.logprobs.dtype == "float32"
+    assert np.array_equal(decoded.logprob_token_ids.array(), ids)
+    assert np.array_equal(decoded.logprobs.array(), values)
+    assert np.array_equal(decoded.selected_token_ranks.array(), ranks)
     again = msgspec.msgpack.decode(msgspec.msgpack.encode(decoded), type=type(decoded))
     assert np.array_equal(again.logprobs.array(), values)
