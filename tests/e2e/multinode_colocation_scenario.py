@@ -39,12 +39,14 @@ def main() -> None:
             "routing": {"affinity": False},
         }
         serve.run(build_app(args), name="mn", route_prefix="/mn", blocking=False)
+        # /health answers 200 once one engine is ready; both must be, or every request goes to the first.
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"http://127.0.0.1:{http_port}/mn/health", timeout=5).status_code == 200:
+                health = httpx.get(f"http://127.0.0.1:{http_port}/mn/health", timeout=5).json()
+                if [e["state"] for e in health["engines"]] == ["ready", "ready"]:
                     break
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError, KeyError):
                 pass
             time.sleep(0.5)
         def ask(i: int) -> int:
