@@ -156,7 +156,10 @@ class EngineClientDeployment:
         if self.server.launcher is None:
             return None
         status = await self.server.launcher.status.remote()
-        return {**status, "restarts_requested": self.server.engine_restarts, "engine_client_node_id": _node_id()}
+        return {
+            **status, "restarts_requested": self.server.engine_restarts, "engine_client_node_id": _node_id(),
+            "launcher_name": self.server.launcher_name,
+        }
 
     def frame_traces(self) -> list[FrameTrace]:
         return list(self.server.client.frame_traces)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,9 +97,13 @@ class EngineClientServer:
         self.builtin: BuiltinEngineProcess | None = None
         # The Ray actor running this engine's `vllm serve --headless` (engine_launch only).
         self.launcher: Any = None
+        self.launcher_name: str | None = None
         self.engine_restarts = 0
         self._start_task: asyncio.Task[Any] | None = None
         self._relaunch_task: asyncio.Task[None] | None = None
+        self._launcher_watch: asyncio.Task[None] | None = None
+        # Why this replica cannot serve again by itself (its launcher is gone): health checks fail with it.
+        self.unrecoverable: str | None = None
         # The client of the engine that died last, reported until its replacement is ready.
         self.dead_client: EngineClient | None = None
 
@@ -140,12 +145,30 @@ class EngineClientServer:
         assert launch is not None and self.client.handshake_address is not None
         argv = vllm_serve_argv(launch.vllm_command, launch.model, self.client.handshake_address, launch.engine_args)
         resources = dict(launch.resources)
+        # Named, so that an operator (or a test) can find it: `ray.get_actor(name, namespace="serve")`.
+        self.launcher_name = f"mmserve-engine-launcher-{uuid.uuid4().hex[:12]}"
         self.launcher = EngineLauncher.options(
+            name=self.launcher_name, namespace="serve",
             num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0), resources=resources,
             # Bundle 1 of this replica's STRICT_PACK group: the engine's resources, on this node.
             scheduling_strategy=PlacementGroupSchedulingStrategy(get_current_placement_group(), placement_group_bundle_index=1),
         ).remote(argv, dict(launch.env), {"backoff_initial_s": launch.restart_backoff_initial_s, "backoff_max_s": launch.restart_backoff_max_s})
         await self.launcher.start.remote()
+        self._launcher_watch = asyncio.create_task(self._watch_launcher(), name="launcher-watch")
+
+    async def _watch_launcher(self) -> None:
+        """A launcher is not restarted (its engine dies with it: parent-death signal), so an engine
+        client whose launcher is gone waits for a handshake that never comes: said once, and every
+        health check fails from then on, so that Serve replaces the replica (and with it, both)."""
+        try:
+            await self.launcher.watch.remote()
+        except Exception as exc:  # RayActorError: killed, crashed, or its node lost
+            text = str(exc).strip().splitlines()
+            self.unrecoverable = f"its engine launcher is gone ({type(exc).__name__}: {text[0][:200] if text else ''})"
+            logger.error(
+                "engine client %s: %s; failing health checks so that Serve replaces this replica and its engine",
+                self.client.handshake_address, self.unrecoverable,
+            )
 
     async def _replace_on_death(self) -> None:
         """An engine that dies or hangs is replaced in place: a new engine client waits on the same
@@ -230,8 +253,10 @@ class EngineClientServer:
         return await self.client.call_utility(method, *args, timeout_s=timeout_s)
 
     def check_health(self) -> None:
-        # A dead engine is replaced in place (`_replace_on_death`); only that task ending needs a
-        # new replica.
+        # A dead engine is replaced in place (`_replace_on_death`); only that task ending, or the
+        # launcher that would restart it being gone, needs a new replica.
+        if self.unrecoverable is not None:
+            raise RuntimeError(self.unrecoverable)
         if self._relaunch_task is not None and self._relaunch_task.done():
             raise RuntimeError(f"engine replacement stopped: {self._relaunch_task}")
 
@@ -249,6 +274,8 @@ class EngineClientServer:
         dead = self.client.state is EngineState.DEAD
         if self._relaunch_task is not None:
             self._relaunch_task.cancel()
+        if self._launcher_watch is not None:
+            self._launcher_watch.cancel()  # the launcher is stopped next: not a loss to report
         await self.client.close()
         if self.launcher is not None:
             import ray

@@ -7,6 +7,7 @@ the engine connects to its engine client over loopback. A thin shell over `Engin
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -33,9 +34,13 @@ class EngineLauncher:
     async def stop(self) -> None:
         await self.supervisor.stop()
 
+    async def watch(self) -> None:
+        """Never returns: its caller (the engine client) learns from the error that this actor is gone."""
+        await asyncio.Event().wait()
+
     def status(self) -> dict[str, Any]:
         """Process ids of the engine's tree, starts and exit codes so far (tests, diagnostics)."""
         return {
             "tree": self.supervisor.tree(), "starts": self.supervisor.starts, "exits": list(self.supervisor.exits),
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_id": ray.get_runtime_context().get_node_id(), "actor_id": ray.get_runtime_context().get_actor_id(),
         }

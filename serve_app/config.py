@@ -271,6 +271,15 @@ class AppConfig(BaseModel):
             raise ValueError("give either engines (engines started elsewhere) or engine_launch (engines started on Ray), not both")
         if self.engine_launch is not None and self.model is None:
             raise ValueError("engine_launch needs model: the model directory the gateway reads its tokenizer from")
+        # A key given for another mode would be silently ignored: refused instead, naming why.
+        given = self.model_fields_set
+        if self.engine_launch is not None and "engine_client_resources" in given:
+            raise ValueError(
+                "engine_client_resources does nothing with engine_launch: each engine client is placed with its "
+                "engine (engine_launch.resources); remove it"
+            )
+        if "builtin_engine" in given and not self.uses_builtin_engine:
+            raise ValueError("builtin_engine does nothing with engines or engine_launch (no built-in engine runs); remove it")
         return self
 
     @property

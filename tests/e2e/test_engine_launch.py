@@ -2,7 +2,7 @@
 engine started by a Ray actor in its engine client's STRICT_PACK placement group (same node, loopback),
 serving requests; killed, it is restarted by its launcher and rejoins with no manual step (requests in
 flight on it get a clear error); after the application is deleted no process of any engine it ran is
-left (listed from /proc)."""
+left (listed from /proc); a launcher lost makes its replica unhealthy, and Serve replaces it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -145,6 +146,50 @@ def test_launched_engine_declared_hung_is_killed_and_restarted(serve_instance):
         assert status["restarts_requested"] == 1 and status["exits"] == [-signal.SIGKILL], status
         assert not any(_alive(pid) for pid in seen)
         seen.update(status["tree"])
+    finally:
+        serve.delete(name, _blocking=True)
+    wait_for(lambda: not any(_alive(pid) for pid in seen), 30, f"engine processes {sorted(seen)} gone")
+
+
+def test_a_lost_launcher_makes_its_replica_unhealthy_and_serve_replaces_it(serve_instance):
+    """A launcher is never restarted by Ray (its engine dies with it). Killed with `ray.kill`, its engine
+    client says why once, fails its health checks, and Serve replaces the replica: a new launcher and
+    engine, and the service answers again with no manual step."""
+    import ray
+
+    from serve_app.config import BUILTIN_MODEL_DIR
+
+    name = "launcher-lost"
+    shim = os.path.join(os.path.dirname(__file__), "..", "support", "builtin_as_vllm.py")
+    args = {
+        "model": str(BUILTIN_MODEL_DIR), "served_model_name": "mmserve-builtin",
+        "engine_launch": {"engine_args": {"max-model-len": 2048}, "resources": {"CPU": 1}, "vllm_command": [sys.executable, shim]},
+    }
+    seen: set[int] = set()
+    try:
+        app = deploy_app(serve_instance, name, args, ready_timeout_s=120)
+        chat = lambda: app.openai(timeout=30).chat.completions.create(  # noqa: E731
+            model="mmserve-builtin", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert chat().usage.completion_tokens > 0
+        handle = app.engine_handle(0)
+        first = handle.launcher_status.remote().result(timeout_s=30)
+        seen.update(first["tree"])
+        ray.kill(ray.get_actor(first["launcher_name"], namespace="serve"), no_restart=True)
+
+        def replaced() -> bool:
+            status = handle.launcher_status.remote().result(timeout_s=10)
+            return status["launcher_name"] != first["launcher_name"] and app.engine_info().state == "ready"
+
+        wait_for(replaced, 120, "Serve replaced the replica whose launcher was lost, and its new engine is ready")
+        # The ingress learns of the new replica on its own (a request in between may get a 503).
+        wait_for(lambda: chat().usage.completion_tokens > 0, 60, "the service answers again", interval_s=0.5)
+        assert not any(_alive(pid) for pid in seen)  # the lost launcher's engine went with it
+        seen.update(handle.launcher_status.remote().result(timeout_s=30)["tree"])
+        logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+        logs = "".join(p.read_text(errors="replace") for p in logs_dir.glob(f"replica_{name}_EngineClient0_*.log"))
+        # Said once, with the reason (Serve's failed health checks then quote it in their own lines).
+        said = [line for line in logs.splitlines() if "failing health checks so that Serve replaces this replica" in line]
+        assert len(said) == 1 and "its engine launcher is gone (" in said[0], said
     finally:
         serve.delete(name, _blocking=True)
     wait_for(lambda: not any(_alive(pid) for pid in seen), 30, f"engine processes {sorted(seen)} gone")

@@ -1,5 +1,5 @@
 """`engine_launch` configuration: exclusive with `engines`, needs the model, and the engine's
-multimodal cache settings come from its own flags."""
+multimodal cache settings come from its own flags; keys of other modes are refused, not ignored."""
 
 from __future__ import annotations
 
@@ -29,3 +29,15 @@ def test_engine_launch_is_exclusive_with_engines_and_needs_a_model():
         AppConfig.model_validate({"engine_launch": {}})
     with pytest.raises(ValidationError):
         AppConfig.model_validate({"model": "/m", "engine_launch": {"count": 0}})
+
+
+def test_keys_that_do_nothing_in_a_mode_are_refused():
+    with pytest.raises(ValidationError, match="engine_client_resources does nothing with engine_launch"):
+        AppConfig.model_validate({"model": "/m", "engine_launch": {}, "engine_client_resources": {"gpu_host": 0.001}})
+    with pytest.raises(ValidationError, match="builtin_engine does nothing"):
+        AppConfig.model_validate({"model": "/m", "engine_launch": {}, "builtin_engine": {"max_num_seqs": 8}})
+    with pytest.raises(ValidationError, match="builtin_engine does nothing"):
+        AppConfig.model_validate({"engines": ["tcp://127.0.0.1:5"], "builtin_engine": '{"max_num_seqs": 8}'})
+    # Each where it applies.
+    AppConfig.model_validate({"engines": ["tcp://127.0.0.1:5"], "engine_client_resources": {"gpu_host": 0.001}})
+    AppConfig.model_validate({"builtin_engine": {"max_num_seqs": 8}})
