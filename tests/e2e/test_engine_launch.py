@@ -111,25 +111,30 @@ def test_launched_engine_serves_restarts_and_leaves_nothing(serve_instance, tiny
         wait_for(lambda: not _engine_processes(port), 30, "no process names the engine's port")
 
 
+def _deploy_with_shim(serve_instance, name: str, **extra):
+    """An app whose launched engine is the built-in engine behind a `vllm serve`-shaped command line
+    (seconds instead of minutes), and a function that asks it for a short chat."""
+    from serve_app.config import BUILTIN_MODEL_DIR
+
+    shim = os.path.join(os.path.dirname(__file__), "..", "support", "builtin_as_vllm.py")
+    launch = {"engine_args": {"max-model-len": 2048}, "resources": {"CPU": 1}, "vllm_command": [sys.executable, shim],
+              **extra.pop("engine_launch", {})}
+    app = deploy_app(serve_instance, name, {"model": str(BUILTIN_MODEL_DIR), "served_model_name": "mmserve-builtin",
+                                            "engine_launch": launch, **extra}, ready_timeout_s=120)
+    chat = lambda: app.openai(timeout=30).chat.completions.create(  # noqa: E731
+        model="mmserve-builtin", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    return app, chat
+
+
 def test_launched_engine_declared_hung_is_killed_and_restarted(serve_instance):
     """The same launcher with the built-in engine behind a `vllm serve`-shaped command line (seconds
     instead of minutes): a SIGSTOPped engine is declared hung by its engine client, the launcher
     kills it and starts a new one at once, and the service answers again with no manual step."""
-    from serve_app.config import BUILTIN_MODEL_DIR
-
     name = "launched-hang"
-    shim = os.path.join(os.path.dirname(__file__), "..", "support", "builtin_as_vllm.py")
-    args = {
-        "model": str(BUILTIN_MODEL_DIR), "served_model_name": "mmserve-builtin",
-        "health_check_interval_s": 0.5, "health_check_timeout_s": 1.0,
-        "engine_launch": {"engine_args": {"max-model-len": 2048}, "resources": {"CPU": 1},
-                          "vllm_command": [sys.executable, shim], "restart_backoff_initial_s": 30},
-    }
     seen: set[int] = set()
     try:
-        app = deploy_app(serve_instance, name, args, ready_timeout_s=120)
-        chat = lambda: app.openai(timeout=30).chat.completions.create(  # noqa: E731
-            model="mmserve-builtin", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        app, chat = _deploy_with_shim(serve_instance, name, health_check_interval_s=0.5, health_check_timeout_s=1.0,
+                                      engine_launch={"restart_backoff_initial_s": 30})
         assert chat().usage.completion_tokens > 0
         handle = app.engine_handle(0)
         status = handle.launcher_status.remote().result(timeout_s=30)
@@ -157,19 +162,10 @@ def test_a_lost_launcher_makes_its_replica_unhealthy_and_serve_replaces_it(serve
     engine, and the service answers again with no manual step."""
     import ray
 
-    from serve_app.config import BUILTIN_MODEL_DIR
-
     name = "launcher-lost"
-    shim = os.path.join(os.path.dirname(__file__), "..", "support", "builtin_as_vllm.py")
-    args = {
-        "model": str(BUILTIN_MODEL_DIR), "served_model_name": "mmserve-builtin",
-        "engine_launch": {"engine_args": {"max-model-len": 2048}, "resources": {"CPU": 1}, "vllm_command": [sys.executable, shim]},
-    }
     seen: set[int] = set()
     try:
-        app = deploy_app(serve_instance, name, args, ready_timeout_s=120)
-        chat = lambda: app.openai(timeout=30).chat.completions.create(  # noqa: E731
-            model="mmserve-builtin", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        app, chat = _deploy_with_shim(serve_instance, name)
         assert chat().usage.completion_tokens > 0
         handle = app.engine_handle(0)
         first = handle.launcher_status.remote().result(timeout_s=30)

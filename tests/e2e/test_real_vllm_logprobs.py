@@ -116,6 +116,8 @@ def test_logprobs_end_where_a_stop_string_cuts_the_answer(vllm_app, vllm_server)
     [
         (CHAT, {"logprobs": True, "top_logprobs": 21}), (CHAT, {"top_logprobs": 2}), (CHAT, {"logprobs": True, "top_logprobs": -2}),
         (COMPLETIONS, {"logprobs": 21}), (COMPLETIONS, {"logprobs": -2}),
+        (CHAT, {"prompt_logprobs": 21}), (CHAT, {"prompt_logprobs": -2}), (CHAT, {"prompt_logprobs": 1, "stream": True}),
+        (COMPLETIONS, {"prompt_logprobs": -1}), (COMPLETIONS, {"prompt_logprobs": 2, "stream": True}),
     ],
 )
 def test_bad_logprobs_values_are_refused_as_vllm_refuses_them(vllm_app, vllm_server, route, fields):
@@ -174,21 +176,6 @@ def test_prompt_logprobs_equal_vllm_serve(vllm_app, vllm_server, case):
     assert ours_positions == their_positions
     assert ours_positions[0] is None and len(ours_positions) == ours.json()["usage"]["prompt_tokens"]
     assert all(len(entries) >= 1 for entries in ours_positions[1:])
-
-
-@pytest.mark.parametrize(
-    ("route", "fields"),
-    [
-        (CHAT, {"prompt_logprobs": 21}), (CHAT, {"prompt_logprobs": -2}), (CHAT, {"prompt_logprobs": 1, "stream": True}),
-        (COMPLETIONS, {"prompt_logprobs": -1}), (COMPLETIONS, {"prompt_logprobs": 2, "stream": True}),
-    ],
-)
-def test_bad_prompt_logprobs_are_refused_as_vllm_refuses_them(vllm_app, vllm_server, route, fields):
-    prompt = {"messages": TEXT} if route == CHAT else {"prompt": "The sea is"}
-    body = {"model": vllm_app.model_name, "max_tokens": 4, **prompt, **fields}
-    ours, theirs = _post(vllm_app.app.base_url, body, route), _post(vllm_server.base_url, body, route)
-    assert ours.status_code == theirs.status_code == 400, (ours.text, theirs.text)
-    assert ours.json()["error"]["message"] in theirs.json()["error"]["message"], (ours.text, theirs.text)
 
 
 ECHO_CASES = {
