@@ -93,8 +93,6 @@ def check_completion_request(request: CompletionRequest) -> None:
     _check_unsupported(request)
     if request.suffix:
         raise bad_request("suffix is not supported by this server", "suffix")
-    if request.echo and request.max_tokens == 0:
-        raise bad_request("echo with max_tokens=0 (the prompt alone) is not supported by this server yet", "max_tokens")
 
 
 def check_token_ids(token_ids: list[int], max_token_id: int, param: str) -> None:

@@ -44,13 +44,15 @@ class CompletionServing:
         prompt_logprobs = request_checks.prompt_logprobs(request, max_logprobs, vocab_size, limits.engine_kind)
         if request.echo and prompt_logprobs is None:
             prompt_logprobs = logprobs  # vLLM's default: an echoed prompt shows logprobs as the answer does
+        # `echo` with max_tokens=0 answers the prompt alone; the engine still makes one token, as vLLM's does.
+        echo_only = bool(request.echo) and request.max_tokens == 0
         # The completions API shows every top entry of each token (see logprobs.completion_tokens).
         prepared = context.inputs.prepare(
-            request, prompt_ids, request.max_tokens, "cmpl", limits,
+            request, prompt_ids, 1 if echo_only else request.max_tokens, "cmpl", limits,
             logprobs=logprobs, shown_logprobs=-1, prompt_logprobs=prompt_logprobs,
         )
         prepared.attach(record)
-        echo = _Echo(self, request, prompt, prepared) if request.echo else None
+        echo = _Echo(self, request, prompt, prepared, echo_only) if request.echo else None
         if request.stream:
             return await started(self._stream(request, prepared, echo))
         with_ids = bool(request.return_token_ids)
@@ -59,9 +61,7 @@ class CompletionServing:
             tokens = None if r.logprobs is None else completion_tokens(r.logprobs)
             text = r.text
             if echo is not None:
-                text = echo.text + text
-                if tokens is not None:
-                    tokens = echo.tokens(r.prompt_logprobs) + tokens
+                text, tokens = echo.prepended(text, tokens, r.prompt_logprobs)
             return CompletionChoice(
                 index=r.index, text=text, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
                 token_ids=r.token_ids if with_ids else None,
@@ -92,9 +92,8 @@ class CompletionServing:
             started_choices.add(delta.index)
             tokens = None if delta.logprobs is None else completion_tokens(delta.logprobs)
             if echo is not None and first:
-                delta = dataclasses.replace(delta, text=echo.text + delta.text)
-                if tokens is not None:
-                    tokens = echo.tokens(delta.prompt_logprobs) + tokens
+                text, tokens = echo.prepended(delta.text, tokens, delta.prompt_logprobs)
+                delta = dataclasses.replace(delta, text=text)
             logprobs = None
             if tokens is not None:
                 logprobs = completion_logprobs(tokens, text_offsets[delta.index])
@@ -109,9 +108,12 @@ class CompletionServing:
 
 class _Echo:
     """What `echo` puts before each choice's answer: the prompt's text (none with `return_token_ids`,
-    as vLLM) and, with `logprobs`, its tokens."""
+    as vLLM) and, with `logprobs`, its tokens; with max_tokens=0 (`only`), in place of the answer."""
 
-    def __init__(self, serving: CompletionServing, request: CompletionRequest, prompt: str | list[int], prepared: PreparedRequest) -> None:
+    def __init__(
+        self, serving: CompletionServing, request: CompletionRequest, prompt: str | list[int], prepared: PreparedRequest, only: bool
+    ) -> None:
+        self.only = only
         strings = serving.context.outputs.token_strings
         if request.return_token_ids:
             self.text = ""
@@ -121,6 +123,14 @@ class _Echo:
         self._strings = strings
         self._prompt_ids = prepared.prompt_token_ids
         self._num_shown = -1 if request.logprobs is None else request.logprobs
+
+    def prepended(
+        self, text: str, tokens: list[CompletionToken] | None, positions: PromptLogprobs | None
+    ) -> tuple[str, list[CompletionToken] | None]:
+        """A choice's (first) text and logprob tokens with the prompt's before them (or instead)."""
+        if self.only:
+            text, tokens = "", None if tokens is None else []
+        return self.text + text, None if tokens is None else self.tokens(positions) + tokens
 
     def tokens(self, positions: PromptLogprobs | None) -> list[CompletionToken]:
         if positions is None:

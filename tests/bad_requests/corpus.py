@@ -307,7 +307,7 @@ def _prompt_cases() -> list[BadRequest]:
         "too-long-tokens": ({"prompt": [100] * 5000, "max_tokens": 8}, "prompt"),
         "too-long-tokens-stream": ({"prompt": [100] * 5000, "stream": True}, "prompt"),
         "max-tokens-overflow": (_cmpl(max_tokens=10**6), "max_tokens"),
-        "echo-without-generation": (_cmpl(echo=True, max_tokens=0), "max_tokens"),
+        "max-tokens-zero-without-echo": (_cmpl(max_tokens=0), "max_tokens"),
         "suffix": (_cmpl(suffix="end"), "suffix"),
         "logprobs-negative": (_cmpl(logprobs=-2), "logprobs"),
         "logprobs-beyond-max": (_cmpl(logprobs=21), "logprobs"),

@@ -185,6 +185,8 @@ ECHO_CASES = {
     "text-logprobs-1-prompt-4": {"prompt": "The sea is", "max_tokens": 5, "temperature": 0.0, "echo": True, "logprobs": 1,
                                  "prompt_logprobs": 4},
     "with-token-ids": {"prompt": "The sea is", "max_tokens": 5, "temperature": 0.0, "echo": True, "return_token_ids": True},
+    "prompt-alone-logprobs-1": {"prompt": "Once upon a time", "max_tokens": 0, "temperature": 0.0, "echo": True, "logprobs": 1},
+    "prompt-alone": {"prompt": "The sea is", "max_tokens": 0, "echo": True},
 }
 
 
@@ -194,8 +196,9 @@ def test_echo_equals_vllm_serve_streamed_and_not(vllm_app, vllm_server, case):
     ours, theirs = _post(vllm_app.app.base_url, body, COMPLETIONS), _post(vllm_server.base_url, body, COMPLETIONS)
     assert ours.status_code == theirs.status_code == 200, (ours.text[:500], theirs.text[:500])
     ours_choice, their_choice = ours.json()["choices"][0], theirs.json()["choices"][0]
-    for key in ("text", "logprobs", "prompt_logprobs", "token_ids", "prompt_token_ids"):
+    for key in ("text", "logprobs", "prompt_logprobs", "token_ids", "prompt_token_ids", "finish_reason"):
         assert ours_choice.get(key) == their_choice.get(key), key
+    assert ours.json()["usage"]["completion_tokens"] == theirs.json()["usage"]["completion_tokens"]
     if not body.get("return_token_ids") and isinstance(body["prompt"], str):
         assert ours_choice["text"].startswith(body["prompt"])
     if "prompt_logprobs" in body:  # streamed, refused by both
