@@ -221,3 +221,15 @@ def vllm_app(serve_instance: ServeInstance, tiny_qwen2_vl_dir) -> Iterator[VllmB
         raise
     yield VllmBackedApp(app=app, engine=engine, model_dir=tiny_qwen2_vl_dir)
     engine.stop()
+
+
+# --------------------------------------------------------------------------- README's quick start
+
+
+@pytest.fixture(scope="session")
+def quick_start(tmp_path_factory):
+    """README's quick start, run once in a fresh clone (tests/support/quick_start.py); its venv is a
+    user's fresh install, shared by the tests that need one."""
+    from tests.support.quick_start import run_quick_start
+
+    return run_quick_start(tmp_path_factory.mktemp("quickstart"))

@@ -1,23 +1,22 @@
 """The service works on the oldest and the newest FastAPI the project allows, installed as a user would.
 
 The oldest is ray[serve] 2.60's own lower bound (read from ray's metadata; pyproject.toml states the
-same), the newest the one ./scripts/lock.sh resolved (scripts/constraints/gateway.txt). One fresh venv
-with README's install (`pip install -e . -c scripts/constraints/gateway.txt`) serves with the newest,
-then with the oldest installed over it; each with a clean `pip check`, and a real `serve run` that must answer /v1/models, a chat
-completion and a streamed chat with 200. FastAPI 0.137.0 is where routes started to be analysed
+same), the newest the one ./scripts/lock.sh resolved (scripts/constraints/gateway.txt). The venv is
+the one README's quick start made in a fresh clone (tests/support/quick_start.py), which served with
+the newest; the oldest is then installed over it, with a clean `pip check`, and a real `serve run`
+must answer /v1/models, a chat completion and a streamed chat with 200; the pinned FastAPI is put
+back afterwards for the quick start test. FastAPI 0.137.0 is where routes started to be analysed
 lazily in the replica (see deployments/ingress.py), so the two ends straddle that change.
 """
 
 import importlib.metadata
-import re
 import tomllib
-from pathlib import Path
 
 import httpx
 import pytest
 from packaging.requirements import Requirement
 
-from tests.support.serve_process import GATEWAY_CONSTRAINTS, REPO, ServeRunProcess, make_venv, pinned_version, run_logged
+from tests.support.serve_process import GATEWAY_CONSTRAINTS, REPO, ServeRunProcess, pinned_version, run_logged
 
 pytestmark = pytest.mark.serve
 
@@ -56,26 +55,26 @@ def exercise(base_url: str) -> None:
     assert events[-1] == "data: [DONE]" and len(events) > 2
 
 
-@pytest.fixture(scope="module")
-def quick_start_venv(tmp_path_factory) -> Path:
-    """One venv with README's install (`pip install -e . -c scripts/constraints/gateway.txt`), shared by
-    both ends: the oldest FastAPI is then installed over the pinned one, as a user pinning it would."""
-    return make_venv(tmp_path_factory.mktemp("fastapi") / "venv", "-e", str(REPO), "-c", str(GATEWAY_CONSTRAINTS))
+def test_quick_start_install_serves_with_the_newest_fastapi(quick_start):
+    # The quick start served from this venv (models, chats, streamed and with an image, all 200).
+    installed = run_logged([str(quick_start.bin_dir / "python"), "-c", "import fastapi; print(fastapi.__version__)"], timeout_s=60)
+    assert installed.stdout.strip() == pinned_version("fastapi")
 
 
-@pytest.mark.parametrize("end", ["newest", "oldest"])  # this order: the oldest changes the shared venv
-def test_quick_start_install_serves_with_fastapi(end, quick_start_venv, tmp_path):
-    bin_dir = quick_start_venv
-    version = ray_fastapi_lower_bound() if end == "oldest" else pinned_version("fastapi")
-    if end == "oldest":
-        # The pins with FastAPI swapped for the version under test.
-        constraints = tmp_path / "constraints.txt"
-        constraints.write_text(
-            "".join(line + "\n" for line in GATEWAY_CONSTRAINTS.read_text().splitlines() if not line.lower().startswith("fastapi=="))
-        )
-        run_logged([str(bin_dir / "python"), "-m", "pip", "install", "-q", "-c", str(constraints), f"fastapi=={version}"], timeout_s=600)
-    installed = run_logged([str(bin_dir / "python"), "-c", "import fastapi; print(fastapi.__version__)"], timeout_s=60)
-    assert installed.stdout.strip() == version
-    run_logged([str(bin_dir / "python"), "-m", "pip", "check"], timeout_s=120)
-    with ServeRunProcess.from_venv(bin_dir, REPO, tmp_path / "serve.log") as serve:
-        exercise(serve.base_url)
+def test_quick_start_install_serves_with_the_oldest_fastapi(quick_start, tmp_path):
+    python = str(quick_start.bin_dir / "python")
+    version = ray_fastapi_lower_bound()
+    # The pins with FastAPI swapped for the version under test, installed over the quick start's.
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text(
+        "".join(line + "\n" for line in GATEWAY_CONSTRAINTS.read_text().splitlines() if not line.lower().startswith("fastapi=="))
+    )
+    run_logged([python, "-m", "pip", "install", "-q", "-c", str(constraints), f"fastapi=={version}"], timeout_s=600)
+    try:
+        installed = run_logged([python, "-c", "import fastapi; print(fastapi.__version__)"], timeout_s=60)
+        assert installed.stdout.strip() == version
+        run_logged([python, "-m", "pip", "check"], timeout_s=120)
+        with ServeRunProcess.from_venv(quick_start.bin_dir, REPO, tmp_path / "serve.log") as serve:
+            exercise(serve.base_url)
+    finally:  # the quick start's own install again, for the tests that share the venv
+        run_logged([python, "-m", "pip", "install", "-q", "-c", str(GATEWAY_CONSTRAINTS), f"fastapi=={pinned_version('fastapi')}"], timeout_s=600)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import TINY_MODEL_NAME, deploy_app
 from tests.support.images import image_part, image_uri
-from tests.support.vllm_reference import run_offline_reference
+from tests.support.vllm_reference import PendingReference, run_offline_reference
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
 
@@ -64,8 +64,17 @@ def test_device_normalize_images_equal_vllm_offline(vllm_app):
     _assert_same(vllm_app.app, refs, cases)
 
 
+HOST_NORMALIZE_CASES = [{"messages": chat, "sampling": GREEDY} for chat in CHATS[:3]]
+
+
 @pytest.fixture(scope="module")
-def host_normalize_app(serve_instance, tiny_qwen2_vl_dir):
+def host_normalize_refs(tiny_qwen2_vl_dir):
+    """Started before the engine and the app, so that the two vLLM start-ups overlap."""
+    return PendingReference(tiny_qwen2_vl_dir, HOST_NORMALIZE_CASES, extra_engine_args={"mm_device_do_normalize": False})
+
+
+@pytest.fixture(scope="module")
+def host_normalize_app(serve_instance, tiny_qwen2_vl_dir, host_normalize_refs):
     from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
 
     port = free_tcp_port()
@@ -86,7 +95,5 @@ def host_normalize_app(serve_instance, tiny_qwen2_vl_dir):
         serve.delete("vllm-host-norm", _blocking=False)
 
 
-def test_host_normalize_images_equal_vllm_offline(host_normalize_app, tiny_qwen2_vl_dir):
-    cases = [{"messages": chat, "sampling": GREEDY} for chat in CHATS[:3]]
-    refs = run_offline_reference(tiny_qwen2_vl_dir, cases, extra_engine_args={"mm_device_do_normalize": False})
-    _assert_same(host_normalize_app, refs, cases)
+def test_host_normalize_images_equal_vllm_offline(host_normalize_app, host_normalize_refs):
+    _assert_same(host_normalize_app, host_normalize_refs.result(), HOST_NORMALIZE_CASES)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import deploy_app
 from tests.support.images import image_part, image_uri
-from tests.support.vllm_reference import run_offline_reference
+from tests.support.vllm_reference import PendingReference
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
 
@@ -72,7 +72,17 @@ def tiny_llava_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llava_app(serve_instance, tiny_llava_dir):
+def llava_refs_pending(tiny_llava_dir):
+    """Started before the engine and the app, so that the two vLLM start-ups overlap."""
+    cases = [{"messages": chat, "sampling": GREEDY, "env": REFERENCE_ENV} for chat in CHATS]
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in REFERENCE_ENV.items():
+            mp.setenv(key, value)
+        return PendingReference(tiny_llava_dir, cases, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def llava_app(serve_instance, tiny_llava_dir, llava_refs_pending):
     from ray import serve
 
     from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
@@ -98,12 +108,8 @@ def llava_app(serve_instance, tiny_llava_dir):
 
 
 @pytest.fixture(scope="module")
-def llava_refs(tiny_llava_dir):
-    cases = [{"messages": chat, "sampling": GREEDY, "env": REFERENCE_ENV} for chat in CHATS]
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in REFERENCE_ENV.items():
-            mp.setenv(key, value)
-        return run_offline_reference(tiny_llava_dir, cases, max_model_len=MAX_MODEL_LEN)
+def llava_refs(llava_app, llava_refs_pending):
+    return llava_refs_pending.result()
 
 
 def test_reference_prompts_have_expected_shape(llava_refs):

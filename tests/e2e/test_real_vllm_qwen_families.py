@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import deploy_app
 from tests.e2e.test_real_vllm_images import CHATS, GREEDY, IMG_TINY
 from tests.support.images import image_part
-from tests.support.vllm_reference import run_offline_reference
+from tests.support.vllm_reference import PendingReference
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
 
@@ -30,23 +30,17 @@ def family_dir(request, tmp_path_factory):
     return request.param, build(tmp_path_factory.mktemp("models") / f"tiny-{request.param}", seed=0)
 
 
-def _serve(serve_instance, model_dir, model_name: str, app_name: str, pixel_mode: str, engine_args: list[str]):
-    from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
-
-    port = free_tcp_port()
-    engine = HeadlessVllmEngine(model_dir, port, max_model_len=1024, extra_args=engine_args).start()
+def _serve(serve_instance, engine, model_name: str, app_name: str, pixel_mode: str):
     try:
-        app = deploy_app(
+        return deploy_app(
             serve_instance, app_name,
-            {"model": str(model_dir), "served_model_name": model_name, "engines": [f"tcp://127.0.0.1:{port}"],
+            {"model": str(engine.model_dir), "served_model_name": model_name, "engines": [engine.handshake_address],
              "images": {"pixel_mode": pixel_mode}, "handshake_timeout_s": 600, "health_check_timeout_s": 20},
             ready_timeout_s=600,
         )  # fmt: skip
     except BaseException:
         print(engine.log_tail())
-        engine.stop()
         raise
-    return app, engine
 
 
 def _assert_same(app, model_name: str, refs, cases) -> None:
@@ -71,16 +65,21 @@ def _assert_same(app, model_name: str, refs, cases) -> None:
 def test_images_equal_vllm_offline(serve_instance, family_dir, pixel_mode, engine_args, reference_args):
     from ray import serve
 
+    from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
+
     family, model_dir = family_dir
     model_name = f"tiny-{family}"
-
     cases = [{"messages": chat, "sampling": GREEDY} for chat in [*CHATS, OTHER_IMAGE]]
     cases.append({"messages": CHATS[0], "sampling": {"temperature": 0.8, "seed": 11, "n": 2, "max_tokens": 12}})
-    refs = run_offline_reference(model_dir, cases, extra_engine_args=reference_args)
-    assert refs[0].outputs[0].token_ids != refs[len(CHATS)].outputs[0].token_ids
+    # The engine boots and the app deploys while the reference is computed: the two vLLM start-ups
+    # run side by side.
+    engine = HeadlessVllmEngine(model_dir, free_tcp_port(), max_model_len=1024, extra_args=engine_args).start()
     app_name = f"vllm-{family}-{pixel_mode}".replace("_", "-")
-    app, engine = _serve(serve_instance, model_dir, model_name, app_name, pixel_mode, engine_args)
     try:
+        pending = PendingReference(model_dir, cases, extra_engine_args=reference_args)
+        app = _serve(serve_instance, engine, model_name, app_name, pixel_mode)
+        refs = pending.result()
+        assert refs[0].outputs[0].token_ids != refs[len(CHATS)].outputs[0].token_ids
         _assert_same(app, model_name, refs, cases)
     finally:
         engine.stop()

@@ -8,7 +8,6 @@ its own HTTP port and its own process group, so stopping it never touches anothe
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,14 +26,6 @@ def pinned_version(package: str, constraints: Path = GATEWAY_CONSTRAINTS) -> str
         if sep and name.strip().lower().replace("_", "-") == package.lower():
             return version.strip()
     raise LookupError(f"{package} is not pinned in {constraints}")
-
-
-def make_venv(path: Path, *pip_args: str, timeout_s: float = 900) -> Path:
-    """A fresh venv at PATH with `pip install PIP_ARGS`; returns its bin directory."""
-    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
-    bin_dir = path / "bin"
-    run_logged([str(bin_dir / "python"), "-m", "pip", "install", "-q", *pip_args], timeout_s=timeout_s)
-    return bin_dir
 
 
 def run_logged(cmd: list[str], *, timeout_s: float, cwd: Path | None = None, env: dict | None = None, shell: bool = False):

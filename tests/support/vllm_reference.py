@@ -14,7 +14,8 @@ or
 arguments of ``LLM.chat``, e.g. ``{"add_generation_prompt": True}``).
 
 Each case runs on its own (one ``generate``/``chat`` call per case, in order) with one ``LLM``
-instance per call of ``run_offline_reference`` (start-up ≈ 19 s). Results are cached on disk under
+instance per call of ``run_offline_reference`` (start-up ≈ 19 s). ``PendingReference`` starts the same
+computation and returns at once, so that a test can boot its engine meanwhile. Results are cached on disk under
 ``<repo>/.cache/vllm_reference/``, keyed by the model directory's file contents, the cases, the
 engine arguments, the vLLM version and this file's source, so repeated test runs cost nothing.
 """
@@ -99,57 +100,74 @@ def _engine_args(max_model_len: int, dtype: str, extra: dict | None) -> dict[str
     return args
 
 
-def run_offline_reference(
-    model_dir: str | Path,
-    cases: list[dict],
-    *,
-    max_model_len: int = 1024,
-    dtype: str = "bfloat16",
-    extra_engine_args: dict | None = None,
-    use_cache: bool = True,
-) -> list[ReferenceResult]:
-    model_dir = Path(model_dir).resolve()
-    engine_args = _engine_args(max_model_len, dtype, extra_engine_args)
-    key_material = json.dumps(
-        {
-            "model": model_dir_digest(model_dir),
-            "cases": cases,
-            "engine_args": engine_args,
-            "vllm": reference_vllm_version(),
-            "script": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
-        },
-        sort_keys=True,
-    )
-    key = hashlib.sha256(key_material.encode()).hexdigest()[:32]
-    cache_file = CACHE_DIR / f"{key}.json"
-    if use_cache and cache_file.exists():
-        return [ReferenceResult.from_json(d) for d in json.loads(cache_file.read_text())]
+class PendingReference:
+    """An offline reference being computed in its own process: ``result()`` waits for it.
 
-    with tempfile.TemporaryDirectory(prefix="vllm_ref_") as tmp:
-        job = Path(tmp) / "job.json"
-        out = Path(tmp) / "out.json"
-        log = Path(tmp) / "log.txt"
+    Started before a test's engine has finished booting, the two vLLM start-ups (≈20 s each, most of
+    it single-threaded imports and model set-up) overlap on the machine's two cores instead of
+    following each other."""
+
+    def __init__(self, model_dir: str | Path, cases: list[dict], *, max_model_len: int = 1024,
+                 dtype: str = "bfloat16", extra_engine_args: dict | None = None, use_cache: bool = True):
+        model_dir = Path(model_dir).resolve()
+        engine_args = _engine_args(max_model_len, dtype, extra_engine_args)
+        key_material = json.dumps(
+            {
+                "model": model_dir_digest(model_dir),
+                "cases": cases,
+                "engine_args": engine_args,
+                "vllm": reference_vllm_version(),
+                "script": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+            },
+            sort_keys=True,
+        )
+        key = hashlib.sha256(key_material.encode()).hexdigest()[:32]
+        self._cache_file = CACHE_DIR / f"{key}.json"
+        self._cached = use_cache and self._cache_file.exists()
+        self._results: list[ReferenceResult] | None = None
+        if self._cached:
+            return
+        self._tmp = tempfile.TemporaryDirectory(prefix="vllm_ref_")
+        tmp = Path(self._tmp.name)
+        job, self._out, self._log = tmp / "job.json", tmp / "out.json", tmp / "log.txt"
         job.write_text(json.dumps({"model": str(model_dir), "engine_args": engine_args, "cases": cases}))
-        with open(log, "wb") as logf:
-            proc = subprocess.run(
-                [reference_python(), "-m", "tests.support.vllm_reference", str(job), str(out)],
+        with open(self._log, "wb") as logf:
+            self._proc = subprocess.Popen(
+                [reference_python(), "-m", "tests.support.vllm_reference", str(job), str(self._out)],
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 # In-process engine core: one process fewer to spawn, and nothing left behind.
                 env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(REPO)),
                 cwd=tmp,
-                timeout=SUBPROCESS_TIMEOUT_S,
             )
-        if proc.returncode != 0 or not out.exists():
-            tail = log.read_text(errors="replace")[-6000:]
-            raise RuntimeError(f"offline vLLM reference failed (rc={proc.returncode}):\n{tail}")
-        raw = json.loads(out.read_text())
 
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    tmp_file = cache_file.with_suffix(f".tmp{os.getpid()}")
-    tmp_file.write_text(json.dumps(raw))
-    tmp_file.replace(cache_file)  # atomic: concurrent test runs never read half a file
-    return [ReferenceResult.from_json(d) for d in raw]
+    def result(self) -> list[ReferenceResult]:
+        if self._results is not None:
+            return self._results
+        if self._cached:
+            raw = json.loads(self._cache_file.read_text())
+        else:
+            try:
+                returncode = self._proc.wait(timeout=SUBPROCESS_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                raise
+            if returncode != 0 or not self._out.exists():
+                tail = self._log.read_text(errors="replace")[-6000:]
+                raise RuntimeError(f"offline vLLM reference failed (rc={returncode}):\n{tail}")
+            raw = json.loads(self._out.read_text())
+            self._tmp.cleanup()
+            CACHE_DIR.mkdir(parents=True, exist_ok=True)
+            tmp_file = self._cache_file.with_suffix(f".tmp{os.getpid()}")
+            tmp_file.write_text(json.dumps(raw))
+            tmp_file.replace(self._cache_file)  # atomic: concurrent test runs never read half a file
+        self._results = [ReferenceResult.from_json(d) for d in raw]
+        return self._results
+
+
+def run_offline_reference(model_dir: str | Path, cases: list[dict], **options: Any) -> list[ReferenceResult]:
+    """The offline reference for `cases`, computed now (see `PendingReference` for its options)."""
+    return PendingReference(model_dir, cases, **options).result()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,122 @@
+"""README's quick start, run literally once per test session, in a fresh clone and venv.
+
+The command is read from README.md (the first ```bash block under "## Quick start") and run with bash
+in a fresh `git clone` of this repository's HEAD (commit first when running it by hand). While it
+serves, the `openai` client asks for `/v1/models`, a text chat, a streamed chat and an image chat (PNG
+data URI), and the resize path the service reports is read; then it is stopped. What it gave is kept in
+a `QuickStart`, and its venv (a user's install, made by README's command) is shared by the tests that
+need a fresh install: `tests/test_quickstart.py` and `tests/deployments/test_fastapi_versions.py`.
+
+Quick start serves on Ray Serve's default port 8000 (it is part of the command a user copies), so
+it needs that port free; it says so plainly if it is not.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tests.support.serve_process import REPO, ServeRunProcess, run_logged
+
+QUICK_START_PORT = 8000
+
+
+@dataclass(frozen=True)
+class QuickStart:
+    clone: Path  # the fresh clone README's command ran in
+    command: str  # README's quick start command, as written
+    model: str  # the model id /v1/models named
+    resize_reports: tuple[set[str], str, set[str]]  # see resize_path_reports
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.clone / ".venv" / "bin"
+
+
+def readme_quick_start_command(readme: str) -> str:
+    section = readme.split("## Quick start", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "README's quick start has no ```bash block"
+    lines = [l for l in block.group(1).strip().splitlines() if l.strip()]
+    assert len(lines) == 1, f"README's quick start must be a single command, found {lines}"
+    return lines[0]
+
+
+def wait_for_free_port(port: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"port {port} (README's quick start) stayed busy for {timeout_s} s: another Serve instance?")
+        time.sleep(2)
+
+
+def png_data_uri() -> str:
+    from PIL import Image
+
+    pixels = np.random.default_rng(7).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def exercise_with_openai(base_url: str) -> str:
+    """Models, a text chat, a streamed chat and an image chat, each a 200; returns the model id."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    # The openai client raises on any non-2xx status, so each call below is a 200 check.
+    models = client.models.list().data
+    model = models[0].id
+    text = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=16)
+    assert text.choices[0].message.content and text.choices[0].finish_reason in ("stop", "length")
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count to five."}], max_tokens=16, stream=True
+    ))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    image = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is in this image?"},
+            {"type": "image_url", "image_url": {"url": png_data_uri()}},
+        ]}],
+        max_tokens=16,
+    )
+    assert image.choices[0].message.content and image.usage.prompt_tokens > text.usage.prompt_tokens
+    return model
+
+
+def resize_path_reports(serve: ServeRunProcess) -> tuple[set[str], str, set[str]]:
+    """(paths named in the start-up log, path on the model card, paths the /metrics info gauge sets to 1)."""
+    import httpx
+
+    card = httpx.get(serve.base_url + "/v1/models", timeout=30).json()["data"][0]
+    metrics = httpx.get(serve.base_url + "/metrics", timeout=30).text
+    logged = set(re.findall(r"image resize path: ([a-z-]+)", serve.log_text()))
+    gauged = set(re.findall(r'^mmserve_image_resize_path_info\{path="([^"]+)"\} 1\.0$', metrics, re.M))
+    return logged, card["mmserve"]["image_resize"], gauged
+
+
+def run_quick_start(tmp: Path) -> QuickStart:
+    """Clone, run README's command until it serves, exercise it, stop it."""
+    command = readme_quick_start_command((REPO / "README.md").read_text())
+    clone = tmp / "clone"
+    run_logged(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(clone)], timeout_s=300)
+    assert not (clone / ".venv").exists()
+    wait_for_free_port(QUICK_START_PORT)
+    with ServeRunProcess(command, clone, tmp / "quickstart.log", QUICK_START_PORT).start(ready_timeout_s=1500) as serve:
+        model = exercise_with_openai(serve.base_url)
+        reports = resize_path_reports(serve)
+    return QuickStart(clone=clone, command=command, model=model, resize_reports=reports)
