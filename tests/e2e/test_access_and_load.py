@@ -42,7 +42,7 @@ def test_api_key_is_required_and_compared_exactly(serve_instance):
         # Health stays open for load balancers.
         assert httpx.get(app.base_url + "/health", timeout=30).status_code == 200
     finally:
-        serve.delete("apikey", _blocking=False)
+        serve.delete("apikey", _blocking=True)
 
 
 @pytest.mark.parametrize("address", ["tcp://*:29550", "tcp://0.0.0.0:29550", "tcp://[::]:29550"])
@@ -134,7 +134,7 @@ def test_in_flight_limit_gives_429_not_timeouts(serve_instance):
         assert set(codes) <= {200, 429}
         assert all(retry for code, retry in results if code == 429)
     finally:
-        serve.delete("limited", _blocking=False)
+        serve.delete("limited", _blocking=True)
 
 
 async def _warm_up(app) -> None:

@@ -43,7 +43,7 @@ def app(serve_instance, image_dir):
         "images": {"allowed_local_dir": str(image_dir), "cache_bytes": 0},  # every request pays the pixel work
     })
     yield deployed
-    serve.delete(NAME, _blocking=False)
+    serve.delete(NAME, _blocking=True)
 
 
 

@@ -46,7 +46,7 @@ def test_builtin_engine_killed_mid_stream(serve_instance):
     assert app.engine_info().builtin_pid != pid
     from ray import serve
 
-    serve.delete("faults-builtin", _blocking=False)
+    serve.delete("faults-builtin", _blocking=True)
 
 
 @pytest.mark.real_engine
@@ -81,4 +81,4 @@ def test_vllm_engine_killed_mid_stream(serve_instance, tiny_qwen2_vl_dir):
         engine.stop()
         from ray import serve
 
-        serve.delete("faults-vllm", _blocking=False)
+        serve.delete("faults-vllm", _blocking=True)

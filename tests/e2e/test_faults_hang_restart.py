@@ -3,7 +3,9 @@ are picked up again without any manual step; nothing is left in flight after a f
 
 Each test has its own application (and its own engines); the health check is made tight
 (`health_check_interval_s` 0.5, `health_check_timeout_s` 1.0), so a hang is declared within
-1.5 s and every open stream must end with an error within 2 s.
+1.5 s and every open stream must end with an error within 2 s. A real vLLM engine gets 2.0 s to answer
+(streams must end within 3 s): on 2 cores its first steps after start-up can take over a second, and
+an engine busy with a step answers no health check (it was twice declared hung before the fault at 1.0 s).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tests.e2e.fault_support import (
 pytestmark = pytest.mark.serve
 
 FAST_HEALTH = {"health_check_interval_s": 0.5, "health_check_timeout_s": 1.0}
+VLLM_FAST_HEALTH = {"health_check_interval_s": 0.5, "health_check_timeout_s": 2.0}
 BUILTIN = "mmserve-builtin"
 
 
@@ -113,7 +116,7 @@ def test_builtin_engine_sigstopped_mid_stream_fails_fast_and_recovers(serve_inst
         wait_for(lambda: _pid_gone(pid), 30, f"old built-in engine {pid} gone")
         print(f"recovered {took:.1f} s after the hang was detected")
     finally:
-        serve.delete(name, _blocking=False)
+        serve.delete(name, _blocking=True)
 
 
 def test_builtin_engine_killed_state_and_no_leaks(serve_instance):
@@ -137,7 +140,7 @@ def test_builtin_engine_killed_state_and_no_leaks(serve_instance):
         _assert_nothing_in_flight(app)
         assert _health(app).status_code == 200
     finally:
-        serve.delete(name, _blocking=False)
+        serve.delete(name, _blocking=True)
 
 
 def _start_builtin(port: int) -> subprocess.Popen:
@@ -209,7 +212,7 @@ def test_two_engines_one_killed_then_restarted_on_same_port(serve_instance):
     finally:
         for p in procs:
             _stop(p)
-        serve.delete(name, _blocking=False)
+        serve.delete(name, _blocking=True)
 
 
 # ----------------------------------------------------------------------------- real vLLM
@@ -217,7 +220,7 @@ def test_two_engines_one_killed_then_restarted_on_same_port(serve_instance):
 
 @pytest.mark.real_engine
 def test_vllm_sigstopped_mid_stream_then_new_engine_on_same_port(serve_instance, tiny_qwen2_vl_dir):
-    """Real engine hung → streams end with an error within 2 s → the hung engine is killed and
+    """Real engine hung → streams end with an error within 3 s (VLLM_FAST_HEALTH) → the hung engine is killed and
     a NEW `vllm serve --headless` is started on the same handshake port → requests succeed
     again with no manual step (Serve replaced the engine client, which re-handshakes)."""
     from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
@@ -229,13 +232,13 @@ def test_vllm_sigstopped_mid_stream_then_new_engine_on_same_port(serve_instance,
         app = deploy_app(
             serve_instance, name,
             {"model": str(tiny_qwen2_vl_dir), "served_model_name": TINY_MODEL_NAME,
-             "engines": [f"tcp://127.0.0.1:{port}"], **FAST_HEALTH},
+             "engines": [f"tcp://127.0.0.1:{port}"], **VLLM_FAST_HEALTH},
             ready_timeout_s=600,
         )
         threads, results = open_streams_running_in_engine(app, TINY_MODEL_NAME, 2, VLLM_LONG_STREAM_TOKENS)
         stopped_at = time.monotonic()
         engines[0].sigstop()
-        assert_all_failed_fast(threads, results, stopped_at)
+        assert_all_failed_fast(threads, results, stopped_at, limit_s=3.0)
         info = app.engine_info()
         assert info.state == "dead" and "health check" in (info.death_reason or ""), info
         assert info.num_in_flight == 0
@@ -255,4 +258,4 @@ def test_vllm_sigstopped_mid_stream_then_new_engine_on_same_port(serve_instance,
     finally:
         for engine in engines:
             engine.stop()
-        serve.delete(name, _blocking=False)
+        serve.delete(name, _blocking=True)

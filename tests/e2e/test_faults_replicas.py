@@ -140,7 +140,7 @@ def test_preprocessor_replica_killed_mid_request(serve_instance, image_dir):
         # Requests whose preprocessing died never reached the engine.
         assert app.engine_info().requests_sent - sent == len(results) - len(failed) + 1, app.engine_info()
     finally:
-        serve.delete(name, _blocking=False)
+        serve.delete(name, _blocking=True)
 
 
 def test_ingress_replica_killed_mid_stream(serve_instance):
@@ -189,4 +189,4 @@ def test_ingress_replica_killed_mid_stream(serve_instance):
         wait_for(ok, 90, "requests succeed after the ingress restart", interval_s=1.0)
         _engine_clean(app, 1.0)
     finally:
-        serve.delete(name, _blocking=False)
+        serve.delete(name, _blocking=True)

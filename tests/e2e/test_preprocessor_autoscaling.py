@@ -86,4 +86,4 @@ def test_preprocessor_scales_out_and_back_alone(serve_instance):
             time.sleep(1)
         assert _replicas("autoscale") == {"Ingress": 1, "EngineClient0": 1, "Preprocessor": 1}
     finally:
-        serve.delete("autoscale", _blocking=False)
+        serve.delete("autoscale", _blocking=True)

@@ -92,7 +92,7 @@ def host_normalize_app(serve_instance, tiny_qwen2_vl_dir, host_normalize_refs):
         engine.stop()
         from ray import serve
 
-        serve.delete("vllm-host-norm", _blocking=False)
+        serve.delete("vllm-host-norm", _blocking=True)
 
 
 def test_host_normalize_images_equal_vllm_offline(host_normalize_app, host_normalize_refs):

@@ -104,7 +104,7 @@ def llava_app(serve_instance, tiny_llava_dir, llava_refs_pending):
         yield app
     finally:
         engine.stop()
-        serve.delete(APP_NAME, _blocking=False)
+        serve.delete(APP_NAME, _blocking=True)
 
 
 @pytest.fixture(scope="module")

@@ -83,4 +83,4 @@ def test_images_equal_vllm_offline(serve_instance, family_dir, pixel_mode, engin
         _assert_same(app, model_name, refs, cases)
     finally:
         engine.stop()
-        serve.delete(app_name, _blocking=False)
+        serve.delete(app_name, _blocking=True)

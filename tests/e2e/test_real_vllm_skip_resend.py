@@ -93,7 +93,7 @@ def test_repeated_image_sent_by_hash_miss_resent_restart_resets(serve_instance, 
     finally:
         for engine in engines:
             engine.stop()
-        serve.delete(name, _blocking=False)
+        serve.delete(name, _blocking=True)
 
 
 def _engine_ready(app) -> bool:

@@ -73,4 +73,4 @@ def test_repeated_images_and_prefixes_go_to_the_engine_that_served_them(serve_in
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=10)
-        serve.delete(name, _blocking=False)
+        serve.delete(name, _blocking=True)

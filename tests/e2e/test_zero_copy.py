@@ -73,4 +73,4 @@ def test_engine_client_sends_object_store_memory_and_ingress_never_maps_it(serve
         # are absent from the ingress's page tables).
         assert resident_pages(ingress_pid, "/dev/shm/plasma", trace.mapping_offset, trace.nbytes, touched_before) in (None, 0)
     finally:
-        serve.delete("zerocopy", _blocking=False)
+        serve.delete("zerocopy", _blocking=True)
