@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -93,6 +94,25 @@ class ServeRun:
     def worker_stderr(self) -> str:
         logs = self.tmp / "ray" / "session_latest" / "logs"
         return "".join(p.read_text(errors="replace") for p in sorted(logs.glob("worker-*.err")))
+
+    def ingress_replica_url(self) -> str:
+        """The HTTP address of an ingress replica's own server (Serve's direct ingress), read from the
+        config of this run's HAProxy (a process of this run's session), behind which it serves."""
+        ps = subprocess.run(["ps", "-ww", "-eo", "pid=,sid=,args="], capture_output=True, text=True, check=True).stdout
+        for line in ps.splitlines():
+            pid, sid, args = line.split(None, 2)
+            config = re.search(r"haproxy .*-f (\S+)", args)
+            if int(sid) != self.proc.pid or config is None:
+                continue
+            for address in re.findall(r"^\s*server \S+ (\d+\.\d+\.\d+\.\d+:\d+)", Path(config.group(1)).read_text(), re.M):
+                if address.endswith(f":{self.port}"):
+                    continue
+                try:
+                    if httpx.get(f"http://{address}/health", timeout=5).status_code == 200:
+                        return f"http://{address}"
+                except httpx.HTTPError:
+                    continue
+        raise LookupError(f"no ingress replica found behind this run's HAProxy:\n{ps}")
 
     def stop(self) -> None:
         if self.proc is None:

@@ -72,8 +72,10 @@ def test_request_lines_metrics_and_no_tracebacks_for_client_mistakes(serve_run):
             for _ in stream.iter_lines():
                 break
         expected.append(499)
+        # Straight to the ingress replica: HAProxy 2.8 does not always pass on the leaving of a
+        # client that waits for a whole answer (README, "Known limit behind HAProxy").
         with pytest.raises(httpx.TimeoutException):
-            client.post(CHAT, json=long_chat, timeout=1.0)
+            httpx.post(serve_run.ingress_replica_url() + CHAT, json=long_chat, timeout=1.0)
         expected.append(499)
     # And one that leaves halfway through sending its body.
     with socket.create_connection(("127.0.0.1", serve_run.port)) as sock:
