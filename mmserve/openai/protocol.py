@@ -17,7 +17,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-_REQUEST = ConfigDict(extra="ignore", strict=True)
+# Unknown fields are kept (not used) so that request_checks can refuse the vLLM fields mmserve does not
+# implement instead of dropping them without a word.
+_REQUEST = ConfigDict(extra="allow", strict=True)
 
 
 class ImageURL(BaseModel):

@@ -7,6 +7,7 @@ Ranges follow `vllm.sampling_params.SamplingParams._verify_args` (vLLM 0.32).
 
 from __future__ import annotations
 
+import json
 import math
 
 from .errors import bad_request
@@ -22,9 +23,66 @@ MAX_BAD_WORDS_TOKEN_SEQUENCES = 128  # [VLLM_MAX_NUM_BAD_WORDS]
 MAX_BAD_WORD_CHARS = 512
 
 
+# vLLM 0.32 request fields mmserve does not implement, each with vLLM's default. Set to anything else, a
+# field is refused with a 400 naming it: `vllm serve` would answer such a request differently, and a 200
+# that silently ignored it would not say so. vLLM fields absent from both the models and these tables
+# change no answer here and are accepted whatever their value (NEUTRAL_VLLM_FIELDS).
+# tests/openai/test_vllm_request_fields.py checks these against vLLM's own request models.
+NOT_IMPLEMENTED_VLLM_FIELDS: dict[str, object] = {
+    "use_beam_search": False,
+    "watermarking": None,
+    "logprob_token_ids": None,
+    "priority": 0,
+    "return_tokens_as_token_ids": None,
+    "routed_experts_prompt_start": 0,
+    "return_token_offsets": False,
+    "mm_payload": "tensors",
+    "return_mm_kwargs": None,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "vllm_xargs": None,
+    "repetition_detection": None,
+    "thinking_token_budget": None,
+}
+NOT_IMPLEMENTED_CHAT_FIELDS: dict[str, object] = {
+    **NOT_IMPLEMENTED_VLLM_FIELDS,
+    "reasoning_effort": None,
+    "echo": False,
+    "add_special_tokens": False,
+    "documents": None,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "media_io_kwargs": None,
+    "mm_processor_kwargs": None,
+    "return_prompt_text": None,
+}
+NOT_IMPLEMENTED_COMPLETION_FIELDS: dict[str, object] = {
+    **NOT_IMPLEMENTED_VLLM_FIELDS,
+    "add_special_tokens": True,
+    "prompt_embeds": None,
+}
+# Answer-neutral here: ids and chunking (`request_id`, `session_id`, `stream_interval`), or meaningful only
+# with a feature refused on its own (`parallel_tool_calls`, `include_reasoning` with tools or reasoning,
+# `length_penalty` with beam search, `truncation_side` with `truncate_prompt_tokens`).
+NEUTRAL_VLLM_FIELDS = frozenset(
+    {"request_id", "session_id", "stream_interval", "parallel_tool_calls", "include_reasoning", "length_penalty", "truncation_side"}
+)
+
+
+def _check_not_implemented(request: SamplingRequestFields, fields: dict[str, object]) -> None:
+    extra = request.model_extra or {}
+    for name, default in fields.items():
+        value = extra.get(name, default)
+        if value != default and not (default is None and value in ({}, [])):
+            raise bad_request(f"{name} is not supported by this server (only its default, {json.dumps(default)})", name)
+
+
 def _check_unsupported(request: SamplingRequestFields) -> None:
     if request.truncate_prompt_tokens is not None:
         raise bad_request("truncate_prompt_tokens is not supported by this server", "truncate_prompt_tokens")
+    fields = NOT_IMPLEMENTED_CHAT_FIELDS if isinstance(request, ChatCompletionRequest) else NOT_IMPLEMENTED_COMPLETION_FIELDS
+    _check_not_implemented(request, fields)
 
 
 def check_chat_request(request: ChatCompletionRequest) -> None:
