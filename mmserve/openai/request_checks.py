@@ -78,15 +78,14 @@ def _check_not_implemented(request: SamplingRequestFields, fields: dict[str, obj
             raise bad_request(f"{name} is not supported by this server (only its default, {json.dumps(default)})", name)
 
 
-def _check_unsupported(request: SamplingRequestFields) -> None:
+def _check_unsupported(request: SamplingRequestFields, not_implemented: dict[str, object]) -> None:
     if request.truncate_prompt_tokens is not None:
         raise bad_request("truncate_prompt_tokens is not supported by this server", "truncate_prompt_tokens")
-    fields = NOT_IMPLEMENTED_CHAT_FIELDS if isinstance(request, ChatCompletionRequest) else NOT_IMPLEMENTED_COMPLETION_FIELDS
-    _check_not_implemented(request, fields)
+    _check_not_implemented(request, not_implemented)
 
 
 def check_chat_request(request: ChatCompletionRequest) -> None:
-    _check_unsupported(request)
+    _check_unsupported(request, NOT_IMPLEMENTED_CHAT_FIELDS)
     top_logprobs = request.top_logprobs
     if top_logprobs is not None:
         # vLLM's ChatCompletionRequest.check_logprobs, word for word.
@@ -148,7 +147,7 @@ def _checked_logprobs(requested: int, max_logprobs: int, vocab_size: int, engine
 
 
 def check_completion_request(request: CompletionRequest) -> None:
-    _check_unsupported(request)
+    _check_unsupported(request, NOT_IMPLEMENTED_COMPLETION_FIELDS)
     if request.suffix:
         raise bad_request("suffix is not supported by this server", "suffix")
 
