@@ -177,14 +177,42 @@ def builtin_app(serve_instance: ServeInstance) -> DeployedApp:
 
 # --------------------------------------------------------------------------- real vLLM engine
 
-TINY_MODEL_NAME = "tiny-qwen2-vl"
+from tests.support.session_vllm import TINY_MODEL_NAME  # noqa: E402 - after the environment above
+
+_SESSION_VLLM = pytest.StashKey["SessionVllm"]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the shared vLLM processes the selected tests need (tests/support/session_vllm.py) now,
+    so that they boot while the first tests run."""
+    used = set().union(*(getattr(item, "fixturenames", ()) for item in session.items))
+    if "tiny_qwen2_vl_dir" in used:
+        _start_session_vllm(session.config, reference_server="vllm_serve_reference" in used, app_engine="vllm_app" in used)
+
+
+def _start_session_vllm(config: pytest.Config, **wanted: bool):
+    import tempfile
+
+    from tests.support.session_vllm import SessionVllm
+
+    if _SESSION_VLLM not in config.stash:
+        config.stash[_SESSION_VLLM] = SessionVllm(Path(tempfile.mkdtemp(prefix="mmserve-session-vllm-")), **wanted)
+    return config.stash[_SESSION_VLLM]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _SESSION_VLLM in session.config.stash:
+        session.config.stash[_SESSION_VLLM].stop()
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2_vl_dir(tmp_path_factory) -> "Path":
-    from tests.support.tiny_models import build_tiny_qwen2_vl
+def session_vllm(pytestconfig):
+    return _start_session_vllm(pytestconfig, reference_server=False, app_engine=False)
 
-    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / TINY_MODEL_NAME, seed=0)
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(session_vllm) -> "Path":
+    return session_vllm.model_dir()
 
 
 @dataclass
@@ -196,12 +224,9 @@ class VllmBackedApp:
 
 
 @pytest.fixture(scope="session")
-def vllm_app(serve_instance: ServeInstance, tiny_qwen2_vl_dir) -> Iterator[VllmBackedApp]:
+def vllm_app(serve_instance: ServeInstance, session_vllm, tiny_qwen2_vl_dir) -> Iterator[VllmBackedApp]:
     """The Serve graph in front of a real `vllm serve --headless` CPU engine (tiny Qwen2-VL)."""
-    from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
-
-    port = free_tcp_port()
-    engine = HeadlessVllmEngine(tiny_qwen2_vl_dir, port, max_model_len=1024).start()
+    engine = session_vllm.app_engine()
     try:
         app = deploy_app(
             serve_instance,
@@ -209,7 +234,7 @@ def vllm_app(serve_instance: ServeInstance, tiny_qwen2_vl_dir) -> Iterator[VllmB
             {
                 "model": str(tiny_qwen2_vl_dir),
                 "served_model_name": TINY_MODEL_NAME,
-                "engines": [f"tcp://127.0.0.1:{port}"],
+                "engines": [engine.handshake_address],
                 "handshake_timeout_s": 600,
                 # CPU engine on a 2-core machine shared with the tests: generous but bounded.
                 "health_check_timeout_s": 20,
@@ -218,10 +243,18 @@ def vllm_app(serve_instance: ServeInstance, tiny_qwen2_vl_dir) -> Iterator[VllmB
         )
     except BaseException:
         print(engine.log_tail())
-        engine.stop()
         raise
     yield VllmBackedApp(app=app, engine=engine, model_dir=tiny_qwen2_vl_dir)
     engine.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_serve_reference(session_vllm):
+    """`vllm serve` on the same tiny Qwen2-VL with the same engine flags as `vllm_app`'s engine:
+    the answers mmserve must equal (tests/support/serve_reference.py)."""
+    from tests.support.serve_reference import ServeReference
+
+    return ServeReference(session_vllm.reference_server(), TINY_MODEL_NAME)
 
 
 # --------------------------------------------------------------------------- README's quick start

@@ -86,17 +86,26 @@ def write_big_jpegs(root, count: int = 4, side: int = 6000) -> None:
         image.save(root / f"big{i}.jpg", format="JPEG", quality=80 + i)
 
 
-def open_streams_running_in_engine(app, model: str, count: int, max_tokens: int, attempts: int = 4):
-    """Like `open_streams`, but returns only once the engine itself is still generating them.
+# The tiny CPU model makes at most ≈2 500 tokens a second: an engine asked for VLLM_LONG_STREAM_TOKENS
+# tokens less than this long ago is still far from its last one.
+ENGINE_SURELY_BUSY_S = 1.0
+
+
+def open_streams_running_in_engine(app, model: str, count: int, max_tokens: int, attempts: int = 6):
+    """Like `open_streams`, but returns only while the engine itself is surely still generating them.
 
     The gateway may lag behind a fast engine (on 2 cores it delivers fewer tokens per second
     than a tiny CPU model makes), so "every stream has its first token" does not mean the
     engine is still working on them: a fault injected after the engine finished would only
-    interrupt a backlog. Try again until the engine reports work in progress.
+    interrupt a backlog. Nor does "the engine has work" when the streams have been running for
+    seconds: it may finish them between that answer and the fault (seen once: both streams
+    completed 36 ms after the kill). So the streams must also be young. Try again until both hold.
     """
     for _ in range(attempts):
+        sent_at = time.monotonic()
         threads, results = open_streams(app, model, count, max_tokens=max_tokens)
-        if app.engine_utility("has_work") and not any(results):
+        busy = app.engine_utility("has_work") and not any(results)
+        if busy and time.monotonic() - sent_at < ENGINE_SURELY_BUSY_S:
             return threads, results
         for t in threads:
             t.join(timeout=120)

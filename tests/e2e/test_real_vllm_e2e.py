@@ -1,9 +1,10 @@
-"""The Serve graph against a real vLLM 0.32 CPU engine: identical tokens to vLLM's own offline engine.
+"""The Serve graph against a real vLLM 0.32 CPU engine: identical answers to vLLM's own server.
 
 For each chat, the same messages go (a) through our HTTP endpoint with the real `openai` client,
-to a `vllm serve --headless` engine over our own wire code, and (b) to vLLM's offline
-`LLM.chat`. Prompt token ids, generated token ids, text, finish and stop reasons must be equal;
-prompt ids must also equal Hugging Face's `apply_chat_template`.
+to a `vllm serve --headless` engine over our own wire code, and (b) to `vllm serve` (its own front
+end and engine, same model and engine flags, started in this run: `vllm_serve_reference`). Prompt
+token ids, generated token ids, text, finish and stop reasons must be equal; prompt ids must also
+equal Hugging Face's `apply_chat_template`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import time
 import pytest
 
 from tests.support.reference_venv import call_in_reference
-from tests.support.vllm_reference import run_offline_reference
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
 
@@ -33,9 +33,8 @@ GREEDY = {"temperature": 0.0, "max_tokens": 24}
 
 
 @pytest.fixture(scope="module")
-def greedy_reference(vllm_app):
-    cases = [{"messages": chat, "sampling": GREEDY} for chat in CHATS]
-    return run_offline_reference(vllm_app.model_dir, cases)
+def greedy_reference(vllm_serve_reference):
+    return vllm_serve_reference.answers([{"messages": chat, "sampling": GREEDY} for chat in CHATS])
 
 
 def _chat(vllm_app, messages, **kwargs):
@@ -77,7 +76,7 @@ def test_prompt_ids_equal_hugging_face_apply_chat_template(vllm_app, greedy_refe
 
 
 @pytest.mark.parametrize("case", range(len(CHATS)))
-def test_greedy_tokens_and_text_equal_vllm_offline(vllm_app, greedy_reference, case):
+def test_greedy_tokens_and_text_equal_vllm_serve(vllm_app, greedy_reference, case):
     ref = greedy_reference[case].outputs[0]
     ours = _chat(vllm_app, CHATS[case], **GREEDY)
     choice = ours.choices[0]
@@ -90,7 +89,7 @@ def test_greedy_tokens_and_text_equal_vllm_offline(vllm_app, greedy_reference, c
 
 
 @pytest.mark.parametrize("case", [0, 3])
-def test_streaming_equals_vllm_offline(vllm_app, greedy_reference, case):
+def test_streaming_equals_vllm_serve(vllm_app, greedy_reference, case):
     ref = greedy_reference[case]
     prompt_ids, texts, ids, finish, stop_reason, usage = _stream_chat(vllm_app, CHATS[case], **GREEDY)
     assert prompt_ids == ref.prompt_token_ids
@@ -100,7 +99,7 @@ def test_streaming_equals_vllm_offline(vllm_app, greedy_reference, case):
     assert usage.completion_tokens == len(ref.outputs[0].token_ids)
 
 
-def test_stop_strings_n2_seed_and_max_tokens_match_vllm(vllm_app, greedy_reference):
+def test_stop_strings_n2_seed_and_max_tokens_match_vllm(vllm_app, greedy_reference, vllm_serve_reference):
     # A stop string cut from the middle of a known greedy answer.
     base_text = greedy_reference[1].outputs[0].text
     assert len(base_text) >= 10, base_text
@@ -113,7 +112,7 @@ def test_stop_strings_n2_seed_and_max_tokens_match_vllm(vllm_app, greedy_referen
         {"messages": CHATS[0], "sampling": {"temperature": 0.0, "max_tokens": 5}},
         {"messages": CHATS[3], "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "min_tokens": 6}},
     ]
-    refs = run_offline_reference(vllm_app.model_dir, cases)
+    refs = vllm_serve_reference.answers(cases)
 
     r = _chat(vllm_app, CHATS[1], **GREEDY, stop=[stop])
     assert r.choices[0].message.content == refs[0].outputs[0].text
@@ -142,9 +141,9 @@ def test_stop_strings_n2_seed_and_max_tokens_match_vllm(vllm_app, greedy_referen
     assert (finish[0], stop_reason[0]) == ("stop", stop)
 
 
-def test_text_completion_matches_vllm_token_prompt(vllm_app):
+def test_text_completion_matches_vllm_token_prompt(vllm_app, vllm_serve_reference):
     prompt_ids = [1987, 82, 88, 434, 68, 76, 198, 300, 301]
-    ref = run_offline_reference(vllm_app.model_dir, [{"prompt_token_ids": prompt_ids, "sampling": GREEDY}])[0]
+    ref = vllm_serve_reference.answers([{"prompt_token_ids": prompt_ids, "sampling": GREEDY}])[0]
     client = vllm_app.app.openai(timeout=120)
     r = client.completions.create(model=vllm_app.model_name, prompt=prompt_ids, extra_body={"return_token_ids": True}, **GREEDY)
     assert r.choices[0].model_extra["token_ids"] == ref.outputs[0].token_ids

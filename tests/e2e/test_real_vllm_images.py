@@ -1,16 +1,17 @@
 """Image chats through the Serve graph against real vLLM 0.32 CPU engines: identical greedy tokens
-to vLLM's offline `LLM.chat` for the same messages, in both pixel modes, with images that need
-resizing (down, up, one axis) and images that do not.
+for the same messages, in both pixel modes, with images that need resizing (down, up, one axis) and
+images that do not. The reference is `vllm serve` itself for vLLM's default pixel mode (uint8
+patches normalised on the device), vLLM's offline `LLM.chat` with `mm_device_do_normalize=False`
+for host-normalised pixels.
 """
 
 from __future__ import annotations
-
 
 import pytest
 
 from tests.conftest import TINY_MODEL_NAME, deploy_app
 from tests.support.images import image_part, image_uri
-from tests.support.vllm_reference import PendingReference, run_offline_reference
+from tests.support.vllm_reference import PendingReference
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
 
@@ -55,10 +56,10 @@ def _assert_same(app, refs, cases):
         assert got == want
 
 
-def test_device_normalize_images_equal_vllm_offline(vllm_app):
+def test_device_normalize_images_equal_vllm_serve(vllm_app, vllm_serve_reference):
     cases = [{"messages": chat, "sampling": GREEDY} for chat in CHATS]
     cases.append({"messages": CHATS[0], "sampling": {"temperature": 0.8, "seed": 11, "n": 2, "max_tokens": 12}})
-    refs = run_offline_reference(vllm_app.model_dir, cases)
+    refs = vllm_serve_reference.answers(cases)
     # The tiny model must actually look at the pixels: different images, different answers.
     assert refs[0].outputs[0].token_ids != refs[2].outputs[0].token_ids
     _assert_same(vllm_app.app, refs, cases)

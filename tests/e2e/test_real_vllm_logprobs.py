@@ -25,14 +25,8 @@ IMAGE = [{"role": "user", "content": [image_part(image_uri(300, 200, 1)), {"type
 
 
 @pytest.fixture(scope="module")
-def vllm_server(vllm_app):
-    from tests.support.vllm_engines import VllmApiServer
-
-    server = VllmApiServer(vllm_app.model_dir, served_model_name=vllm_app.model_name, max_model_len=1024).start()
-    try:
-        yield server.wait_healthy(timeout=600)
-    finally:
-        server.stop()
+def vllm_server(vllm_serve_reference):
+    return vllm_serve_reference.server
 
 
 def _post(base_url: str, body: dict, route: str = CHAT) -> httpx.Response:

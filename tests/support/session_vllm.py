@@ -1,0 +1,132 @@
+"""The real vLLM processes the whole test session shares, started in the background as soon as
+collection knows that a selected test needs them.
+
+A vLLM start-up costs 25–50 s on this 2-core machine, nearly all of it single-threaded imports in
+three processes one after another (the CLI, the EngineCore, its worker). Started right after
+collection, they run on one core while the first tests run on the other, and are ready, or nearly,
+when the first real-engine test asks for them:
+
+- the tiny Qwen2-VL model directory (random weights, seed 0), built once;
+- ``vllm serve`` on it (``reference_server``): vLLM's own server, whose answers mmserve must equal;
+- ``vllm serve --headless`` on it (``app_engine``), which the session app ``vllm_app`` connects to.
+  A headless engine waits at most 5 minutes for its front-end's handshake (vLLM's
+  ``HANDSHAKE_TIMEOUT_MINS``, counted from its HELLO, ≈20 s after its start); one started more than
+  ``FRESH_ENGINE_S`` before the app deploys is replaced by a new one on the same port.
+
+``tests/conftest.py`` starts them (``pytest_collection_finish``), hands them out through fixtures and
+stops them at the end of the session (``pytest_sessionfinish``), used or not.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+from .vllm_engines import HeadlessVllmEngine, VllmApiServer
+
+TINY_MODEL_NAME = "tiny-qwen2-vl"
+MAX_MODEL_LEN = 1024
+
+# The app engine's handshake port is chosen now and bound by the app minutes later, so it must be a
+# port nothing else takes meanwhile: below Linux's ephemeral range (32768+, where the kernel picks
+# the ports of outgoing connections and of `bind(0)`) and above Ray's worker ports (10002–19999).
+_QUIET_PORTS = range(20000, 32000)
+# An engine this young still has more than a minute of its 5 to wait for the app's handshake.
+FRESH_ENGINE_S = 200.0
+
+
+def quiet_port(host: str = "127.0.0.1") -> int:
+    """A free port that neither the kernel nor Ray will hand out by itself."""
+    for port in random.sample(_QUIET_PORTS, 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_QUIET_PORTS}")
+
+
+class SessionVllm:
+    """Builds the model and starts the wanted processes in a background thread; every accessor waits
+    for what it returns."""
+
+    def __init__(self, root: Path, *, reference_server: bool, app_engine: bool):
+        self._root = root
+        self._model_dir: Future[Path] = Future()
+        self._server: VllmApiServer | None = None
+        self._engine: HeadlessVllmEngine | None = None
+        self._engine_started_at = 0.0
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(
+            target=self._start, args=(reference_server, app_engine), name="session-vllm", daemon=True
+        )
+        self._thread.start()
+
+    def _start(self, reference_server: bool, app_engine: bool) -> None:
+        from .tiny_models import build_tiny_qwen2_vl
+
+        try:
+            model_dir = build_tiny_qwen2_vl(self._root / TINY_MODEL_NAME, seed=0)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the model
+            self._model_dir.set_exception(exc)
+            return
+        self._model_dir.set_result(model_dir)
+        with self._lock:
+            if self._stopped:
+                return
+            if reference_server:
+                self._server = self._new_server(model_dir)
+            if app_engine:
+                self._engine = self._new_engine(model_dir, quiet_port())
+
+    def _new_server(self, model_dir: Path) -> VllmApiServer:
+        return VllmApiServer(
+            model_dir, served_model_name=TINY_MODEL_NAME, max_model_len=MAX_MODEL_LEN,
+            log_path=self._root / "reference_server.log",
+        ).start()  # fmt: skip
+
+    def _new_engine(self, model_dir: Path, port: int) -> HeadlessVllmEngine:
+        self._engine_started_at = time.monotonic()
+        return HeadlessVllmEngine(
+            model_dir, port, max_model_len=MAX_MODEL_LEN, log_path=self._root / f"app_engine_{port}.log"
+        ).start()
+
+    def model_dir(self) -> Path:
+        return self._model_dir.result(timeout=900)
+
+    def reference_server(self) -> VllmApiServer:
+        """`vllm serve` on the tiny model, healthy."""
+        model_dir = self.model_dir()
+        self._thread.join()
+        with self._lock:
+            if self._server is None:  # not foreseen at collection (e.g. asked for by a plugin)
+                self._server = self._new_server(model_dir)
+            server = self._server
+        return server.wait_healthy(timeout=600)
+
+    def app_engine(self) -> HeadlessVllmEngine:
+        """The headless engine for the session app, surely still waiting for its handshake. Call it
+        once, just before the app deploys."""
+        model_dir = self.model_dir()
+        self._thread.join()
+        with self._lock:
+            if self._engine is None:
+                self._engine = self._new_engine(model_dir, quiet_port())
+            elif time.monotonic() - self._engine_started_at > FRESH_ENGINE_S or not self._engine.is_alive():
+                # Started too long ago to be sure of its handshake: replace it.
+                self._engine.stop()
+                self._engine = self._new_engine(model_dir, self._engine.port)
+            return self._engine
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            for process in (self._server, self._engine):
+                if process is not None:
+                    process.stop()
