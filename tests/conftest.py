@@ -182,15 +182,28 @@ from tests.support.session_vllm import TINY_MODEL_NAME  # noqa: E402 - after the
 _SESSION_VLLM = pytest.StashKey["SessionVllm"]()
 
 
+# The tiny models' fixtures, by the model directory each returns (tests/support/tiny_models.py).
+MODEL_FIXTURES = {
+    "tiny_qwen2_vl_dir": TINY_MODEL_NAME,
+    "tiny_qwen2_5_vl_dir": "tiny-qwen2_5_vl",
+    "tiny_qwen3_vl_dir": "tiny-qwen3_vl",
+    "tiny_llava_dir": "tiny-llava",
+}
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the shared vLLM processes the selected tests need (tests/support/session_vllm.py) now,
-    so that they boot while the first tests run."""
+    """Build the tiny models and start the shared vLLM processes the selected tests need
+    (tests/support/session_vllm.py) now, so that they are made while the first tests run."""
     used = set().union(*(getattr(item, "fixturenames", ()) for item in session.items))
-    if "tiny_qwen2_vl_dir" in used:
-        _start_session_vllm(session.config, reference_server="vllm_serve_reference" in used, app_engine="vllm_app" in used)
+    models = [MODEL_FIXTURES[name] for name in sorted(used & MODEL_FIXTURES.keys())]
+    if models:
+        _start_session_vllm(
+            session.config, models=models,
+            reference_server="vllm_serve_reference" in used, app_engine="vllm_app" in used,
+        )  # fmt: skip
 
 
-def _start_session_vllm(config: pytest.Config, **wanted: bool):
+def _start_session_vllm(config: pytest.Config, **wanted: Any):
     import tempfile
 
     from tests.support.session_vllm import SessionVllm
@@ -207,12 +220,27 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def session_vllm(pytestconfig):
-    return _start_session_vllm(pytestconfig, reference_server=False, app_engine=False)
+    return _start_session_vllm(pytestconfig, models=[], reference_server=False, app_engine=False)
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2_vl_dir(session_vllm) -> "Path":
-    return session_vllm.model_dir()
+def tiny_qwen2_vl_dir(session_vllm) -> Path:
+    return session_vllm.model_dir(MODEL_FIXTURES["tiny_qwen2_vl_dir"])
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(session_vllm) -> Path:
+    return session_vllm.model_dir(MODEL_FIXTURES["tiny_qwen2_5_vl_dir"])
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_dir(session_vllm) -> Path:
+    return session_vllm.model_dir(MODEL_FIXTURES["tiny_qwen3_vl_dir"])
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(session_vllm) -> Path:
+    return session_vllm.model_dir(MODEL_FIXTURES["tiny_llava_dir"])
 
 
 @dataclass

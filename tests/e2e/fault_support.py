@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
 import openai
 
 # Real vLLM engines for fault tests get a long context so a stream cannot finish on its own
@@ -13,8 +14,11 @@ FAULT_ENGINE_MAX_MODEL_LEN = 4096
 VLLM_LONG_STREAM_TOKENS = 4000
 
 
-def open_streams(app, model: str, count: int, max_tokens: int = 900) -> tuple[list[threading.Thread], list[dict]]:
-    """Start `count` streams; return once each has its first token. Each records how it ended."""
+def open_streams(
+    app, model: str, count: int, max_tokens: int = 900, leave: threading.Event | None = None
+) -> tuple[list[threading.Thread], list[dict]]:
+    """Start `count` streams; return once each has its first token. Each records how it ended; each
+    leaves (closes its connection) at its next chunk once `leave` is set."""
     results = [dict() for _ in range(count)]
     started = threading.Barrier(count + 1)
 
@@ -29,7 +33,12 @@ def open_streams(app, model: str, count: int, max_tokens: int = 900) -> tuple[li
                 if not got_first:
                     got_first = True
                     started.wait(timeout=120)
-            result["outcome"] = "completed"
+                if leave is not None and leave.is_set():
+                    stream.close()
+                    result["outcome"] = "left"
+                    break
+            else:
+                result["outcome"] = "completed"
         except openai.APIError as exc:
             result["outcome"] = "error"
             result["message"] = str(exc)
@@ -86,12 +95,12 @@ def write_big_jpegs(root, count: int = 4, side: int = 6000) -> None:
         image.save(root / f"big{i}.jpg", format="JPEG", quality=80 + i)
 
 
-# The tiny CPU model makes at most ≈2 500 tokens a second: an engine asked for VLLM_LONG_STREAM_TOKENS
-# tokens less than this long ago is still far from its last one.
-ENGINE_SURELY_BUSY_S = 1.0
+# The tiny CPU model makes ≈1 000 tokens a second per stream: an engine asked for
+# VLLM_LONG_STREAM_TOKENS tokens less than this long ago is still far from its last one.
+ENGINE_SURELY_BUSY_S = 2.0
 
 
-def open_streams_running_in_engine(app, model: str, count: int, max_tokens: int, attempts: int = 6):
+def open_streams_running_in_engine(app, model: str, count: int, max_tokens: int, attempts: int = 8):
     """Like `open_streams`, but returns only while the engine itself is surely still generating them.
 
     The gateway may lag behind a fast engine (on 2 cores it delivers fewer tokens per second
@@ -99,14 +108,56 @@ def open_streams_running_in_engine(app, model: str, count: int, max_tokens: int,
     engine is still working on them: a fault injected after the engine finished would only
     interrupt a backlog. Nor does "the engine has work" when the streams have been running for
     seconds: it may finish them between that answer and the fault (seen once: both streams
-    completed 36 ms after the kill). So the streams must also be young. Try again until both hold.
+    completed 36 ms after the kill). So the streams must also be young; streams that are not are
+    left at once (the engine aborts them) and new ones opened.
     """
     for _ in range(attempts):
         sent_at = time.monotonic()
-        threads, results = open_streams(app, model, count, max_tokens=max_tokens)
+        leave = threading.Event()
+        threads, results = open_streams(app, model, count, max_tokens=max_tokens, leave=leave)
         busy = app.engine_utility("has_work") and not any(results)
         if busy and time.monotonic() - sent_at < ENGINE_SURELY_BUSY_S:
             return threads, results
+        leave.set()
         for t in threads:
             t.join(timeout=120)
+        wait_for(lambda: app.engine_utility("has_work") is False, 30, "the engine let the streams go")
     raise AssertionError(f"the engine finished {count} streams of {max_tokens} tokens before a fault could be injected")
+
+
+def short_chat(app, model: str, content: str = "still there?", max_tokens: int = 4):
+    return app.openai(timeout=60).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=max_tokens)
+
+
+def wait_recovered(app, model: str, timeout_s: float) -> float:
+    start = time.monotonic()
+
+    def ok() -> bool:
+        try:
+            return short_chat(app, model).choices[0].finish_reason in ("stop", "length")
+        except openai.APIError:
+            return False
+
+    wait_for(ok, timeout_s, "service recovered", interval_s=0.5)
+    return time.monotonic() - start
+
+
+def assert_nothing_in_flight(app, index: int = 0, within_s: float = 1.0) -> None:
+    """Engine-side running requests back to 0 and the engine client's in-flight map empty."""
+    wait_for(lambda: app.engine_utility("has_work", index=index) is False, within_s, "engine idle")
+    info = app.engine_info(index)
+    assert info.state == "ready", info
+    assert info.num_in_flight == 0, info
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def get_health(app) -> httpx.Response:
+    return httpx.get(app.base_url + "/health", timeout=10)

@@ -65,13 +65,6 @@ ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 
 @pytest.fixture(scope="module")
-def tiny_llava_dir(tmp_path_factory):
-    from tests.support.tiny_models import build_tiny_llava
-
-    return build_tiny_llava(tmp_path_factory.mktemp("models") / MODEL_NAME, seed=0)
-
-
-@pytest.fixture(scope="module")
 def llava_refs_pending(tiny_llava_dir):
     """Started before the engine and the app, so that the two vLLM start-ups overlap."""
     cases = [{"messages": chat, "sampling": GREEDY, "env": REFERENCE_ENV} for chat in CHATS]

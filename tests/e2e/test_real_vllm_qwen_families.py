@@ -23,11 +23,8 @@ OTHER_IMAGE = [{"role": "user", "content": [image_part(IMG_TINY), {"type": "text
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_dir(request, tmp_path_factory):
-    from tests.support import tiny_models
-
-    build = {"qwen2_5_vl": tiny_models.build_tiny_qwen2_5_vl, "qwen3_vl": tiny_models.build_tiny_qwen3_vl}[request.param]
-    return request.param, build(tmp_path_factory.mktemp("models") / f"tiny-{request.param}", seed=0)
+def family_dir(request, tiny_qwen2_5_vl_dir, tiny_qwen3_vl_dir):
+    return request.param, {"qwen2_5_vl": tiny_qwen2_5_vl_dir, "qwen3_vl": tiny_qwen3_vl_dir}[request.param]
 
 
 def _serve(serve_instance, engine, model_name: str, app_name: str, pixel_mode: str):

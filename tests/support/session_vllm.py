@@ -6,7 +6,9 @@ three processes one after another (the CLI, the EngineCore, its worker). Started
 collection, they run on one core while the first tests run on the other, and are ready, or nearly,
 when the first real-engine test asks for them:
 
-- the tiny Qwen2-VL model directory (random weights, seed 0), built once;
+- the tiny models the selected tests use (random weights, seed 0; ``tiny_models.TINY_MODELS``), each
+  built once, Qwen2-VL first and alone (the shared processes below need it), the others in one
+  process after it;
 - ``vllm serve`` on it (``reference_server``): vLLM's own server, whose answers mmserve must equal;
 - ``vllm serve --headless`` on it (``app_engine``), which the session app ``vllm_app`` connects to.
   A headless engine waits at most 5 minutes for its front-end's handshake (vLLM's
@@ -52,38 +54,51 @@ def quiet_port(host: str = "127.0.0.1") -> int:
 
 
 class SessionVllm:
-    """Builds the model and starts the wanted processes in a background thread; every accessor waits
+    """Builds the models and starts the wanted processes in a background thread; every accessor waits
     for what it returns."""
 
-    def __init__(self, root: Path, *, reference_server: bool, app_engine: bool):
+    def __init__(self, root: Path, *, models: list[str], reference_server: bool, app_engine: bool):
         self._root = root
-        self._model_dir: Future[Path] = Future()
+        models = sorted(set(models) | ({TINY_MODEL_NAME} if reference_server or app_engine else set()))
+        self._models: dict[str, Future[Path]] = {name: Future() for name in models}
         self._server: VllmApiServer | None = None
         self._engine: HeadlessVllmEngine | None = None
         self._engine_started_at = 0.0
         self._lock = threading.Lock()
         self._stopped = False
+        self._processes_started = threading.Event()
         self._thread = threading.Thread(
             target=self._start, args=(reference_server, app_engine), name="session-vllm", daemon=True
         )
         self._thread.start()
 
     def _start(self, reference_server: bool, app_engine: bool) -> None:
-        from .tiny_models import build_tiny_qwen2_vl
-
+        first = [TINY_MODEL_NAME] if TINY_MODEL_NAME in self._models else []
         try:
-            model_dir = build_tiny_qwen2_vl(self._root / TINY_MODEL_NAME, seed=0)
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the model
-            self._model_dir.set_exception(exc)
-            return
-        self._model_dir.set_result(model_dir)
-        with self._lock:
-            if self._stopped:
-                return
-            if reference_server:
-                self._server = self._new_server(model_dir)
-            if app_engine:
-                self._engine = self._new_engine(model_dir, quiet_port())
+            if self._build(first):
+                with self._lock:
+                    if not self._stopped and reference_server:
+                        self._server = self._new_server(self._models[TINY_MODEL_NAME].result())
+                    if not self._stopped and app_engine:
+                        self._engine = self._new_engine(self._models[TINY_MODEL_NAME].result(), quiet_port())
+        finally:
+            self._processes_started.set()
+        self._build([name for name in self._models if name not in first])
+
+    def _build(self, names: list[str]) -> bool:
+        from .tiny_models import build_tiny_models
+
+        if not names:
+            return True
+        try:
+            built = build_tiny_models(self._root, names, seed=0)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for these models
+            for name in names:
+                self._models[name].set_exception(exc)
+            return False
+        for name in names:
+            self._models[name].set_result(built[name])
+        return True
 
     def _new_server(self, model_dir: Path) -> VllmApiServer:
         return VllmApiServer(
@@ -97,15 +112,22 @@ class SessionVllm:
             model_dir, port, max_model_len=MAX_MODEL_LEN, log_path=self._root / f"app_engine_{port}.log"
         ).start()
 
-    def model_dir(self) -> Path:
-        return self._model_dir.result(timeout=900)
+    def model_dir(self, name: str = TINY_MODEL_NAME) -> Path:
+        with self._lock:
+            future = self._models.get(name)
+            unforeseen = future is None
+            if unforeseen:
+                future = self._models[name] = Future()
+        if unforeseen:  # not foreseen at collection: built now, in the caller's thread
+            self._build([name])
+        return future.result(timeout=900)
 
     def reference_server(self) -> VllmApiServer:
-        """`vllm serve` on the tiny model, healthy."""
+        """`vllm serve` on the tiny Qwen2-VL, healthy."""
         model_dir = self.model_dir()
-        self._thread.join()
+        self._processes_started.wait()
         with self._lock:
-            if self._server is None:  # not foreseen at collection (e.g. asked for by a plugin)
+            if self._server is None:  # not foreseen at collection
                 self._server = self._new_server(model_dir)
             server = self._server
         return server.wait_healthy(timeout=600)
@@ -114,7 +136,7 @@ class SessionVllm:
         """The headless engine for the session app, surely still waiting for its handshake. Call it
         once, just before the app deploys."""
         model_dir = self.model_dir()
-        self._thread.join()
+        self._processes_started.wait()
         with self._lock:
             if self._engine is None:
                 self._engine = self._new_engine(model_dir, quiet_port())
