@@ -90,6 +90,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = getattr(item, "originalname", item.name)
         if listed == "*" or (listed and name in listed) or REFERENCE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.reference)
+    # Modules that wait for work started in the background after collection run after all the
+    # others (stable: each group keeps its order), so that the work is done meanwhile.
+    waiting = {item.path for item in items if BACKGROUND_FIXTURES & set(getattr(item, "fixturenames", ()))}
+    items.sort(key=lambda item: item.path in waiting)
 
 
 @dataclass
@@ -180,6 +184,7 @@ def builtin_app(serve_instance: ServeInstance) -> DeployedApp:
 from tests.support.session_vllm import TINY_MODEL_NAME  # noqa: E402 - after the environment above
 
 _SESSION_VLLM = pytest.StashKey["SessionVllm"]()
+_QUICK_START = pytest.StashKey["BackgroundQuickStart"]()
 
 
 # The tiny models' fixtures, by the model directory each returns (tests/support/tiny_models.py).
@@ -191,9 +196,17 @@ MODEL_FIXTURES = {
 }
 
 
+# Fixtures whose work starts in the background right after collection, and `background_settled`,
+# which waits for all of it (for tests with tight time bounds).
+BACKGROUND_FIXTURES = {*MODEL_FIXTURES, "vllm_app", "vllm_serve_reference", "quick_start", "background_settled"}
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Build the tiny models and start the shared vLLM processes the selected tests need
-    (tests/support/session_vllm.py) now, so that they are made while the first tests run."""
+    """Start now what the selected tests need and takes long, so that it is done while the first tests
+    run on the other core: the tiny models and the shared vLLM processes (tests/support/session_vllm.py),
+    README's quick start (tests/support/quick_start.py)."""
+    if session.config.option.collectonly:
+        return
     used = set().union(*(getattr(item, "fixturenames", ()) for item in session.items))
     models = [MODEL_FIXTURES[name] for name in sorted(used & MODEL_FIXTURES.keys())]
     if models:
@@ -201,6 +214,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             session.config, models=models,
             reference_server="vllm_serve_reference" in used, app_engine="vllm_app" in used,
         )  # fmt: skip
+    if "quick_start" in used:
+        _start_quick_start(session.config)
 
 
 def _start_session_vllm(config: pytest.Config, **wanted: Any):
@@ -213,9 +228,31 @@ def _start_session_vllm(config: pytest.Config, **wanted: Any):
     return config.stash[_SESSION_VLLM]
 
 
+def _start_quick_start(config: pytest.Config) -> "BackgroundQuickStart":
+    import tempfile
+
+    from tests.support.quick_start import BackgroundQuickStart
+
+    if _QUICK_START not in config.stash:
+        config.stash[_QUICK_START] = BackgroundQuickStart(Path(tempfile.mkdtemp(prefix="mmserve-quickstart-")))
+    return config.stash[_QUICK_START]
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _QUICK_START in session.config.stash:
+        session.config.stash[_QUICK_START].wait()  # it stops its own `serve run`
     if _SESSION_VLLM in session.config.stash:
         session.config.stash[_SESSION_VLLM].stop()
+
+
+@pytest.fixture(scope="session")
+def background_settled(pytestconfig) -> None:
+    """Waits until the work started after collection is done (the shared vLLM processes booted, the
+    quick start stopped): tests with tight time bounds must not share the cores with it."""
+    if _SESSION_VLLM in pytestconfig.stash:
+        pytestconfig.stash[_SESSION_VLLM].wait_started()
+    if _QUICK_START in pytestconfig.stash:
+        pytestconfig.stash[_QUICK_START].wait()
 
 
 @pytest.fixture(scope="session")
@@ -289,9 +326,8 @@ def vllm_serve_reference(session_vllm):
 
 
 @pytest.fixture(scope="session")
-def quick_start(tmp_path_factory):
-    """README's quick start, run once in a fresh clone (tests/support/quick_start.py); its venv is a
-    user's fresh install, shared by the tests that need one."""
-    from tests.support.quick_start import run_quick_start
-
-    return run_quick_start(tmp_path_factory.mktemp("quickstart"))
+def quick_start(pytestconfig):
+    """README's quick start, run once in a fresh clone (tests/support/quick_start.py), in the
+    background from the end of collection; its venv is a user's fresh install, shared by the tests
+    that need one."""
+    return _start_quick_start(pytestconfig).result()

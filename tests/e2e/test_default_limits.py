@@ -27,7 +27,7 @@ DEFAULTS = AppConfig()
 
 
 @pytest.fixture(scope="module")
-def quick_start():
+def default_run():
     with ServeRun({}) as run:  # no arguments: the built-in engine and every default
         yield run
 
@@ -64,27 +64,27 @@ def _budget_held(run: ServeRun) -> float:
                if line.startswith("mmserve_ingress_body_budget_held_bytes"))
 
 
-def test_the_largest_request_the_default_caps_allow_is_served_on_an_idle_replica(quick_start):
+def test_the_largest_request_the_default_caps_allow_is_served_on_an_idle_replica(default_run):
     images = DEFAULTS.images
     largest = [_png_near(images.max_image_bytes, seed) for seed in range(images.max_images_per_request)]
     body = _image_chat(largest)
     assert len(body) > 8 * 26 * MiB  # 8 images of (nearly) 20 MiB, base64-encoded
-    resp = _post(quick_start, body)
+    resp = _post(default_run, body)
     assert resp.status_code == 200, resp.text[:500]
     assert resp.json()["usage"]["prompt_tokens"] > 8  # the images' tokens reached the engine
     deadline = time.monotonic() + 10
-    while _budget_held(quick_start) != 0 and time.monotonic() < deadline:
+    while _budget_held(default_run) != 0 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _budget_held(quick_start) == 0
+    assert _budget_held(default_run) == 0
 
 
-def test_past_a_cap_is_a_413_naming_the_limit(quick_start):
+def test_past_a_cap_is_a_413_naming_the_limit(default_run):
     small = _png_near(64 * 1024, 0)
-    resp = _post(quick_start, _image_chat([small] * (DEFAULTS.images.max_images_per_request + 1)))
+    resp = _post(default_run, _image_chat([small] * (DEFAULTS.images.max_images_per_request + 1)))
     assert resp.status_code == 413, resp.text[:300]
     assert "images.max_images_per_request" in resp.json()["error"]["message"]
     oversize = small + b"\0" * (21 * MiB)  # 21 MiB: the bytes after IEND make it no larger an image
-    resp = _post(quick_start, _image_chat([oversize]))
+    resp = _post(default_run, _image_chat([oversize]))
     assert resp.status_code == 413, resp.text[:300]
     error = resp.json()["error"]
     assert "images.max_image_bytes" in error["message"] and error["param"] == "messages"
@@ -100,22 +100,22 @@ def _hold_budget(run: ServeRun, sent_bytes: int) -> socket.socket:
     return sock
 
 
-def test_a_busy_budget_answers_503_with_retry_after_and_the_same_request_is_served_later(quick_start):
-    held = _hold_budget(quick_start, 200 * MiB)  # admitted (parsing 201 MiB fits the idle budget)
+def test_a_busy_budget_answers_503_with_retry_after_and_the_same_request_is_served_later(default_run):
+    held = _hold_budget(default_run, 200 * MiB)  # admitted (parsing 201 MiB fits the idle budget)
     try:
         deadline = time.monotonic() + 60
-        while _budget_held(quick_start) < 200 * MiB and time.monotonic() < deadline:
+        while _budget_held(default_run) < 200 * MiB and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _budget_held(quick_start) >= 200 * MiB
+        assert _budget_held(default_run) >= 200 * MiB
         # ≈133 MiB: fits an idle replica, not beside the 200 MiB held.
         body = _image_chat([_png_near(20 * MiB, seed) for seed in range(10, 15)])
-        busy = _post(quick_start, body)
+        busy = _post(default_run, body)
         assert busy.status_code == 503, busy.text[:300]
         assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == "server_busy"
     finally:
         held.close()
     deadline = time.monotonic() + 30
-    while _budget_held(quick_start) > 0 and time.monotonic() < deadline:
+    while _budget_held(default_run) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
-    served = _post(quick_start, body)
+    served = _post(default_run, body)
     assert served.status_code == 200, served.text[:300]

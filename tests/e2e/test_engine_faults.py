@@ -16,7 +16,8 @@ import pytest
 from tests.conftest import deploy_app
 from tests.e2e.fault_support import assert_all_failed_fast, open_streams
 
-pytestmark = pytest.mark.serve
+# Tight time bounds: not while the work started after collection shares the cores.
+pytestmark = [pytest.mark.serve, pytest.mark.usefixtures("background_settled")]
 
 def test_builtin_engine_killed_mid_stream(serve_instance):
     app = deploy_app(serve_instance, "faults-builtin", {"builtin_engine": {"step_interval_ms": 5.0}})

@@ -32,7 +32,8 @@ from tests.e2e.fault_support import (
     wait_recovered,
 )
 
-pytestmark = pytest.mark.serve
+# Tight time bounds: not while the work started after collection shares the cores.
+pytestmark = [pytest.mark.serve, pytest.mark.usefixtures("background_settled")]
 
 FAST_HEALTH = {"health_check_interval_s": 0.5, "health_check_timeout_s": 1.0}
 BUILTIN = "mmserve-builtin"

@@ -18,7 +18,8 @@ from ray import serve
 from tests.e2e.fault_support import wait_for, write_big_jpegs
 from tests.conftest import deploy_app
 
-pytestmark = pytest.mark.serve
+# Tight time bounds: not while the work started after collection shares the cores.
+pytestmark = [pytest.mark.serve, pytest.mark.usefixtures("background_settled")]
 
 CHAT = [{"role": "user", "content": "Tell me a long story."}]
 

@@ -44,7 +44,8 @@ from tests.e2e.fault_support import (
 from tests.support.images import image_part, image_uri
 from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
 
-pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
+# Tight time bounds: not while the work started after collection shares the cores.
+pytestmark = [pytest.mark.real_engine, pytest.mark.serve, pytest.mark.usefixtures("background_settled")]
 
 APP_NAME = "vllm-faults"
 VLLM_FAST_HEALTH = {"health_check_interval_s": 0.5, "health_check_timeout_s": 2.0}

@@ -17,7 +17,9 @@ import base64
 import io
 import re
 import socket
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,3 +122,24 @@ def run_quick_start(tmp: Path) -> QuickStart:
         model = exercise_with_openai(serve.base_url)
         reports = resize_path_reports(serve)
     return QuickStart(clone=clone, command=command, model=model, resize_reports=reports)
+
+
+class BackgroundQuickStart:
+    """`run_quick_start` in a thread of its own, started at once: ``result()`` waits for it."""
+
+    def __init__(self, tmp: Path):
+        self._result: Future[QuickStart] = Future()
+        self._thread = threading.Thread(target=self._run, args=(tmp,), name="quick-start", daemon=True)
+        self._thread.start()
+
+    def _run(self, tmp: Path) -> None:
+        try:
+            self._result.set_result(run_quick_start(tmp))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the result
+            self._result.set_exception(exc)
+
+    def result(self) -> QuickStart:
+        return self._result.result(timeout=1800)
+
+    def wait(self) -> None:
+        self._thread.join(timeout=1800)

@@ -146,6 +146,13 @@ class SessionVllm:
                 self._engine = self._new_engine(model_dir, self._engine.port)
             return self._engine
 
+    def wait_started(self) -> None:
+        """Until the models are built and the shared processes booted (the app engine boots as far as
+        its handshake only; the rest follows the app's)."""
+        self._thread.join()
+        if self._server is not None:
+            self._server.wait_healthy(timeout=600)
+
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
