@@ -90,10 +90,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = getattr(item, "originalname", item.name)
         if listed == "*" or (listed and name in listed) or REFERENCE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.reference)
-    # Modules that wait for work started in the background after collection run after all the
-    # others (stable: each group keeps its order), so that the work is done meanwhile.
-    waiting = {item.path for item in items if BACKGROUND_FIXTURES & set(getattr(item, "fixturenames", ()))}
-    items.sort(key=lambda item: item.path in waiting)
+    group: dict[Path, int] = {}
+    for item in items:  # a module runs whole, in the group of its latest-grouped test
+        group[item.path] = max(group.get(item.path, 0), _run_group(item))
+    items.sort(key=lambda item: group[item.path])  # stable: within a group, collection order
+
+
+def _run_group(item: pytest.Item) -> int:
+    """Modules run in five groups, so that the work started in the background after collection
+    (pytest_collection_finish) is done by the time it is needed, and never beside tight time bounds:
+    0. unit tests (no `serve` marker), while the shared vLLM processes boot;
+    1. modules using them (the session app's engine waits at most FRESH_ENGINE_S for its handshake);
+    2. the other Serve tests, while the quick start, the other models and the offline references are made;
+    3. modules using those;
+    4. modules with tight time bounds, which wait until all of it is done (`background_settled`)."""
+    names = set(getattr(item, "fixturenames", ()))
+    if "background_settled" in names:
+        return 4
+    if names & {"vllm_app", "vllm_serve_reference"}:
+        return 1
+    if names & BACKGROUND_FIXTURES:
+        return 3
+    return 2 if item.get_closest_marker("serve") else 0
 
 
 @dataclass
@@ -198,7 +216,7 @@ MODEL_FIXTURES = {
 
 # Fixtures whose work starts in the background right after collection, and `background_settled`,
 # which waits for all of it (for tests with tight time bounds).
-BACKGROUND_FIXTURES = {*MODEL_FIXTURES, "vllm_app", "vllm_serve_reference", "quick_start", "background_settled"}
+BACKGROUND_FIXTURES = {*MODEL_FIXTURES, "session_vllm", "vllm_app", "vllm_serve_reference", "quick_start", "background_settled"}
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -209,9 +227,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     used = set().union(*(getattr(item, "fixturenames", ()) for item in session.items))
     models = [MODEL_FIXTURES[name] for name in sorted(used & MODEL_FIXTURES.keys())]
-    if models:
+    modules = {item.module for item in session.items if isinstance(item, pytest.Function)}
+    references = [r for module in sorted(modules, key=lambda m: m.__name__) for r in getattr(module, "OFFLINE_REFERENCES", ())]
+    if models or references:
         _start_session_vllm(
-            session.config, models=models,
+            session.config, models=models, offline_references=references,
             reference_server="vllm_serve_reference" in used, app_engine="vllm_app" in used,
         )  # fmt: skip
     if "quick_start" in used:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import TINY_MODEL_NAME, deploy_app
 from tests.support.images import image_part, image_uri
-from tests.support.vllm_reference import PendingReference
+from tests.support.session_vllm import OfflineReference
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
 
@@ -66,16 +66,14 @@ def test_device_normalize_images_equal_vllm_serve(vllm_app, vllm_serve_reference
 
 
 HOST_NORMALIZE_CASES = [{"messages": chat, "sampling": GREEDY} for chat in CHATS[:3]]
+HOST_NORMALIZE_REFERENCE = OfflineReference(
+    TINY_MODEL_NAME, HOST_NORMALIZE_CASES, {"extra_engine_args": {"mm_device_do_normalize": False}}
+)
+OFFLINE_REFERENCES = [HOST_NORMALIZE_REFERENCE]  # computed in the background after collection
 
 
 @pytest.fixture(scope="module")
-def host_normalize_refs(tiny_qwen2_vl_dir):
-    """Started before the engine and the app, so that the two vLLM start-ups overlap."""
-    return PendingReference(tiny_qwen2_vl_dir, HOST_NORMALIZE_CASES, extra_engine_args={"mm_device_do_normalize": False})
-
-
-@pytest.fixture(scope="module")
-def host_normalize_app(serve_instance, tiny_qwen2_vl_dir, host_normalize_refs):
+def host_normalize_app(serve_instance, tiny_qwen2_vl_dir):
     from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
 
     port = free_tcp_port()
@@ -96,5 +94,5 @@ def host_normalize_app(serve_instance, tiny_qwen2_vl_dir, host_normalize_refs):
         serve.delete("vllm-host-norm", _blocking=True)
 
 
-def test_host_normalize_images_equal_vllm_offline(host_normalize_app, host_normalize_refs):
-    _assert_same(host_normalize_app, host_normalize_refs.result(), HOST_NORMALIZE_CASES)
+def test_host_normalize_images_equal_vllm_offline(host_normalize_app, session_vllm):
+    _assert_same(host_normalize_app, session_vllm.offline_reference(HOST_NORMALIZE_REFERENCE), HOST_NORMALIZE_CASES)

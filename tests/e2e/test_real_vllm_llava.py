@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import deploy_app
 from tests.support.images import image_part, image_uri
-from tests.support.vllm_reference import PendingReference
+from tests.support.session_vllm import OfflineReference
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
 
@@ -56,26 +56,21 @@ GREEDY = {"temperature": 0.0, "max_tokens": 16}
 # The offline reference must compute with the engine's thread count. A `vllm serve` engine on this
 # 2-core machine binds ONE OpenMP thread (VLLM_CPU_OMP_THREADS_BIND=auto reserves a CPU), while the
 # in-process offline `LLM` runs torch on 2 threads; bf16 GEMMs then round differently and greedy LLaVA
-# outputs diverge after a few tokens (vLLM's own API server gives exactly the gateway's tokens). The
-# variable reaches the reference subprocess through os.environ. The reference cache key ignores the
-# environment, so each case also carries it (the reference child ignores unknown case keys).
+# outputs diverge after a few tokens (vLLM's own API server gives exactly the gateway's tokens). Every
+# vLLM process of the tests gets OMP_NUM_THREADS=1 (vllm_reference.VLLM_CPU_ENV). The reference cache
+# key ignores the environment, so each case also carries it (the reference child ignores unknown case keys).
 REFERENCE_ENV = {"OMP_NUM_THREADS": "1"}
 # One OpenMP thread in the engine on any machine (what "auto" binding gives on 2 cores).
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+REFERENCE = OfflineReference(
+    MODEL_NAME, [{"messages": chat, "sampling": GREEDY, "env": REFERENCE_ENV} for chat in CHATS],
+    {"max_model_len": MAX_MODEL_LEN},
+)
+OFFLINE_REFERENCES = [REFERENCE]  # computed in the background after collection
 
 
 @pytest.fixture(scope="module")
-def llava_refs_pending(tiny_llava_dir):
-    """Started before the engine and the app, so that the two vLLM start-ups overlap."""
-    cases = [{"messages": chat, "sampling": GREEDY, "env": REFERENCE_ENV} for chat in CHATS]
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in REFERENCE_ENV.items():
-            mp.setenv(key, value)
-        return PendingReference(tiny_llava_dir, cases, max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture(scope="module")
-def llava_app(serve_instance, tiny_llava_dir, llava_refs_pending):
+def llava_app(serve_instance, tiny_llava_dir):
     from ray import serve
 
     from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
@@ -101,8 +96,8 @@ def llava_app(serve_instance, tiny_llava_dir, llava_refs_pending):
 
 
 @pytest.fixture(scope="module")
-def llava_refs(llava_app, llava_refs_pending):
-    return llava_refs_pending.result()
+def llava_refs(session_vllm):
+    return session_vllm.offline_reference(REFERENCE)
 
 
 def test_reference_prompts_have_expected_shape(llava_refs):

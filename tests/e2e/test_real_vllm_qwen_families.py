@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import deploy_app
 from tests.e2e.test_real_vllm_images import CHATS, GREEDY, IMG_TINY
 from tests.support.images import image_part
-from tests.support.vllm_reference import PendingReference
+from tests.support.session_vllm import OfflineReference
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
 
@@ -52,32 +52,36 @@ def _assert_same(app, model_name: str, refs, cases) -> None:
         assert got == want
 
 
-@pytest.mark.parametrize(
-    ("pixel_mode", "engine_args", "reference_args"),
-    [
-        ("device_normalize", [], {}),
-        ("host_normalize", ["--no-mm-device-do-normalize"], {"mm_device_do_normalize": False}),
-    ],
-)
-def test_images_equal_vllm_offline(serve_instance, family_dir, pixel_mode, engine_args, reference_args):
+CASES = [{"messages": chat, "sampling": GREEDY} for chat in [*CHATS, OTHER_IMAGE]]
+CASES.append({"messages": CHATS[0], "sampling": {"temperature": 0.8, "seed": 11, "n": 2, "max_tokens": 12}})
+PIXEL_MODES = {  # pixel mode: (engine flags, the offline reference's engine arguments)
+    "device_normalize": ([], {}),
+    "host_normalize": (["--no-mm-device-do-normalize"], {"mm_device_do_normalize": False}),
+}
+# Computed in the background after collection (tests/support/session_vllm.py).
+REFERENCES = {
+    (family, mode): OfflineReference(f"tiny-{family}", CASES, {"extra_engine_args": reference_args})
+    for family in FAMILIES for mode, (_, reference_args) in PIXEL_MODES.items()
+}
+OFFLINE_REFERENCES = list(REFERENCES.values())
+
+
+@pytest.mark.parametrize("pixel_mode", PIXEL_MODES)
+def test_images_equal_vllm_offline(serve_instance, session_vllm, family_dir, pixel_mode):
     from ray import serve
 
     from tests.support.vllm_engines import HeadlessVllmEngine, free_tcp_port
 
     family, model_dir = family_dir
     model_name = f"tiny-{family}"
-    cases = [{"messages": chat, "sampling": GREEDY} for chat in [*CHATS, OTHER_IMAGE]]
-    cases.append({"messages": CHATS[0], "sampling": {"temperature": 0.8, "seed": 11, "n": 2, "max_tokens": 12}})
-    # The engine boots and the app deploys while the reference is computed: the two vLLM start-ups
-    # run side by side.
+    engine_args, _ = PIXEL_MODES[pixel_mode]
     engine = HeadlessVllmEngine(model_dir, free_tcp_port(), max_model_len=1024, extra_args=engine_args).start()
     app_name = f"vllm-{family}-{pixel_mode}".replace("_", "-")
     try:
-        pending = PendingReference(model_dir, cases, extra_engine_args=reference_args)
         app = _serve(serve_instance, engine, model_name, app_name, pixel_mode)
-        refs = pending.result()
+        refs = session_vllm.offline_reference(REFERENCES[family, pixel_mode])
         assert refs[0].outputs[0].token_ids != refs[len(CHATS)].outputs[0].token_ids
-        _assert_same(app, model_name, refs, cases)
+        _assert_same(app, model_name, refs, CASES)
     finally:
         engine.stop()
         serve.delete(app_name, _blocking=True)

@@ -1,22 +1,23 @@
-"""The real vLLM processes the whole test session shares, started in the background as soon as
-collection knows that a selected test needs them.
+"""What the whole test session shares and takes long to make, made in a background thread as soon as
+collection knows that a selected test needs it.
 
 A vLLM start-up costs 25–50 s on this 2-core machine, nearly all of it single-threaded imports in
 three processes one after another (the CLI, the EngineCore, its worker). Started right after
-collection, they run on one core while the first tests run on the other, and are ready, or nearly,
-when the first real-engine test asks for them:
+collection, the work below runs on one core while the first tests run on the other, and is done, or
+nearly, when a test asks for it (tests/conftest.py orders the modules for that), in this order:
 
-- the tiny models the selected tests use (random weights, seed 0; ``tiny_models.TINY_MODELS``), each
-  built once, Qwen2-VL first and alone (the shared processes below need it), the others in one
-  process after it;
+- the tiny Qwen2-VL model (random weights, seed 0), alone: the shared processes need it;
 - ``vllm serve`` on it (``reference_server``): vLLM's own server, whose answers mmserve must equal;
 - ``vllm serve --headless`` on it (``app_engine``), which the session app ``vllm_app`` connects to.
   A headless engine waits at most 5 minutes for its front-end's handshake (vLLM's
   ``HANDSHAKE_TIMEOUT_MINS``, counted from its HELLO, ≈20 s after its start); one started more than
-  ``FRESH_ENGINE_S`` before the app deploys is replaced by a new one on the same port.
+  ``FRESH_ENGINE_S`` before the app deploys is replaced by a new one on the same port;
+- the other tiny models the selected tests use (``tiny_models.TINY_MODELS``), in one process;
+- the offline references the test modules declare in ``OFFLINE_REFERENCES`` (``OfflineReference``),
+  one after another, each in its own process (``vllm_reference.run_offline_reference``).
 
-``tests/conftest.py`` starts them (``pytest_collection_finish``), hands them out through fixtures and
-stops them at the end of the session (``pytest_sessionfinish``), used or not.
+``tests/conftest.py`` starts it (``pytest_collection_finish``), hands it out through fixtures and
+stops the processes at the end of the session (``pytest_sessionfinish``), used or not.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .vllm_engines import HeadlessVllmEngine, VllmApiServer
+from .vllm_reference import ReferenceResult, run_offline_reference
 
 TINY_MODEL_NAME = "tiny-qwen2-vl"
 MAX_MODEL_LEN = 1024
@@ -53,14 +57,27 @@ def quiet_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no free port in {_QUIET_PORTS}")
 
 
-class SessionVllm:
-    """Builds the models and starts the wanted processes in a background thread; every accessor waits
-    for what it returns."""
+@dataclass(eq=False)
+class OfflineReference:
+    """vLLM's offline answers a test module will ask for: ``run_offline_reference(<model dir>, cases,
+    **options)`` on the tiny model named ``model`` (``tiny_models.TINY_MODELS``)."""
 
-    def __init__(self, root: Path, *, models: list[str], reference_server: bool, app_engine: bool):
+    model: str
+    cases: list[dict]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class SessionVllm:
+    """Makes what is wanted in a background thread; every accessor waits for what it returns."""
+
+    def __init__(self, root: Path, *, models: list[str], reference_server: bool, app_engine: bool,
+                 offline_references: list[OfflineReference] = ()):
         self._root = root
-        models = sorted(set(models) | ({TINY_MODEL_NAME} if reference_server or app_engine else set()))
+        self._references: dict[int, tuple[OfflineReference, Future]] = {id(r): (r, Future()) for r in offline_references}
+        needed = {TINY_MODEL_NAME} if reference_server or app_engine else set()
+        models = sorted(set(models) | needed | {r.model for r in offline_references})
         self._models: dict[str, Future[Path]] = {name: Future() for name in models}
+        self._foreseen = list(models)  # model_dir() builds any other itself
         self._server: VllmApiServer | None = None
         self._engine: HeadlessVllmEngine | None = None
         self._engine_started_at = 0.0
@@ -73,7 +90,8 @@ class SessionVllm:
         self._thread.start()
 
     def _start(self, reference_server: bool, app_engine: bool) -> None:
-        first = [TINY_MODEL_NAME] if TINY_MODEL_NAME in self._models else []
+        first = [TINY_MODEL_NAME] if TINY_MODEL_NAME in self._foreseen else []
+        later = [name for name in self._foreseen if name not in first]
         try:
             if self._build(first):
                 with self._lock:
@@ -83,7 +101,18 @@ class SessionVllm:
                         self._engine = self._new_engine(self._models[TINY_MODEL_NAME].result(), quiet_port())
         finally:
             self._processes_started.set()
-        self._build([name for name in self._models if name not in first])
+        self._build(later)
+        for reference, future in self._references.values():
+            if self._stopped:
+                future.cancel()
+                continue
+            try:
+                future.set_result(self._compute(reference))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
+                future.set_exception(exc)
+
+    def _compute(self, reference: OfflineReference) -> list[ReferenceResult]:
+        return run_offline_reference(self._models[reference.model].result(), reference.cases, **reference.options)
 
     def _build(self, names: list[str]) -> bool:
         from .tiny_models import build_tiny_models
@@ -122,6 +151,13 @@ class SessionVllm:
             self._build([name])
         return future.result(timeout=900)
 
+    def offline_reference(self, reference: OfflineReference) -> list[ReferenceResult]:
+        """Its answers: computed in the background if foreseen at collection, else now."""
+        if id(reference) in self._references:
+            return self._references[id(reference)][1].result(timeout=1800)
+        self.model_dir(reference.model)
+        return self._compute(reference)
+
     def reference_server(self) -> VllmApiServer:
         """`vllm serve` on the tiny Qwen2-VL, healthy."""
         model_dir = self.model_dir()
@@ -147,8 +183,8 @@ class SessionVllm:
             return self._engine
 
     def wait_started(self) -> None:
-        """Until the models are built and the shared processes booted (the app engine boots as far as
-        its handshake only; the rest follows the app's)."""
+        """Until the models are built, the offline references computed and the shared processes booted
+        (the app engine boots as far as its handshake only; the rest follows the app's)."""
         self._thread.join()
         if self._server is not None:
             self._server.wait_healthy(timeout=600)
