@@ -260,7 +260,7 @@ def _start_quick_start(config: pytest.Config) -> "BackgroundQuickStart":
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _QUICK_START in session.config.stash:
-        session.config.stash[_QUICK_START].wait()  # it stops its own `serve run`
+        session.config.stash[_QUICK_START].close()  # it stops its own `serve run`
     if _SESSION_VLLM in session.config.stash:
         session.config.stash[_SESSION_VLLM].stop()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import io
 import re
+import shutil
 import socket
 import threading
 import time
@@ -128,6 +129,7 @@ class BackgroundQuickStart:
     """`run_quick_start` in a thread of its own, started at once: ``result()`` waits for it."""
 
     def __init__(self, tmp: Path):
+        self._tmp = tmp
         self._result: Future[QuickStart] = Future()
         self._thread = threading.Thread(target=self._run, args=(tmp,), name="quick-start", daemon=True)
         self._thread.start()
@@ -143,3 +145,8 @@ class BackgroundQuickStart:
 
     def wait(self) -> None:
         self._thread.join(timeout=1800)
+
+    def close(self) -> None:
+        """Once it has stopped, remove the clone and its venv (≈1 GB)."""
+        self.wait()
+        shutil.rmtree(self._tmp, ignore_errors=True)

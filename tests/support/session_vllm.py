@@ -23,6 +23,7 @@ stops the processes at the end of the session (``pytest_sessionfinish``), used o
 from __future__ import annotations
 
 import random
+import shutil
 import socket
 import threading
 import time
@@ -190,8 +191,10 @@ class SessionVllm:
             self._server.wait_healthy(timeout=600)
 
     def stop(self) -> None:
+        """Stop the processes and remove the models and logs."""
         with self._lock:
             self._stopped = True
             for process in (self._server, self._engine):
                 if process is not None:
                     process.stop()
+        shutil.rmtree(self._root, ignore_errors=True)
