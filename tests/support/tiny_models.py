@@ -2,7 +2,9 @@
 
 ``build_tiny_qwen2_vl`` = the committed built-in model directory (``mmserve/builtin_engine/model``,
 written by ``scripts/make_builtin_model.py``: configs + tokenizer) + random weights made with
-transformers. ``build_tiny_llava`` = a tiny LLaVA-1.5 (llava-hf layout).
+transformers. ``build_tiny_llava`` = a tiny LLaVA-1.5 (llava-hf layout). ``build_tiny_models`` builds
+any of ``TINY_MODELS`` (Qwen2.5-VL and Qwen3-VL too), several in one process: the session's models are
+made that way (tests/support/session_vllm.py).
 
 Weights are re-drawn from N(0, 0.2) (norm weights from N(1, 0.2)) with a fixed seed: transformers'
 own init (std 0.02, norms at 1) gives nearly flat logits, and greedy decoding then repeats one token
@@ -113,14 +115,9 @@ def write_qwen2_5_vl_files(dest: Path) -> Path:
     return dest
 
 
-def build_tiny_qwen2_5_vl(dest: Path, seed: int = 0) -> Path:
-    """The built-in model dir's tokenizer, chat template and Qwen2-VL image processor (Qwen2.5-VL keeps
-    that processor class) with a Qwen2.5-VL config and random bf16 weights. Returns ``dest``."""
-    call_in_reference("tests.support.tiny_models:_build_tiny_qwen2_5_vl_here", str(dest), seed)
-    return Path(dest)
-
-
 def _build_tiny_qwen2_5_vl_here(dest: str, seed: int) -> None:  # in the reference venv
+    """The built-in model dir's tokenizer, chat template and Qwen2-VL image processor (Qwen2.5-VL keeps
+    that processor class) with a Qwen2.5-VL config and random bf16 weights."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -214,13 +211,8 @@ def write_qwen3_vl_files(dest: Path) -> Path:
     return dest
 
 
-def build_tiny_qwen3_vl(dest: Path, seed: int = 0) -> Path:
-    """``write_qwen3_vl_files`` plus random bf16 weights. Returns ``dest``."""
-    call_in_reference("tests.support.tiny_models:_build_tiny_qwen3_vl_here", str(dest), seed)
-    return Path(dest)
-
-
 def _build_tiny_qwen3_vl_here(dest: str, seed: int) -> None:  # in the reference venv
+    """``write_qwen3_vl_files`` plus random bf16 weights."""
     import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
