@@ -1,0 +1,66 @@
+"""`probe_health`: an engine that answers no health check and sends nothing is declared hung; one whose
+answer is late while its outputs keep arriving (a client lagging behind a fast engine) is not, until
+its outputs stop too."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from mmserve.engine.liveness import probe_health
+
+INTERVAL_S, TIMEOUT_S = 0.05, 0.2
+
+
+async def _unanswered(method: str, timeout_s: float) -> None:
+    await asyncio.sleep(timeout_s)
+    raise TimeoutError
+
+
+def _probe(last_heard, call_utility=_unanswered):
+    declared: list[tuple[float, str]] = []
+    task = asyncio.ensure_future(probe_health(
+        call_utility, lambda: not declared, lambda reason: declared.append((time.monotonic(), reason)),
+        last_heard, INTERVAL_S, TIMEOUT_S,
+    ))  # fmt: skip
+    return task, declared
+
+
+def test_silent_engine_is_declared_hung_within_interval_and_timeout():
+    async def main():
+        start = time.monotonic()
+        task, declared = _probe(lambda: 0.0)
+        await asyncio.wait_for(task, 2)
+        assert len(declared) == 1 and "did not answer a health check within 0.2 s" in declared[0][1]
+        assert declared[0][0] - start < INTERVAL_S + TIMEOUT_S + 0.15
+
+    asyncio.run(main())
+
+
+def test_outputs_arriving_keep_an_unanswering_engine_alive_until_they_stop():
+    async def main():
+        heard = {"at": time.monotonic()}
+        task, declared = _probe(lambda: heard["at"])
+        for _ in range(10):  # 1 s of outputs, five health-check timeouts
+            await asyncio.sleep(0.1)
+            heard["at"] = time.monotonic()
+        stopped = time.monotonic()
+        assert not declared
+        await asyncio.wait_for(task, 2)
+        assert len(declared) == 1
+        assert TIMEOUT_S <= declared[0][0] - stopped < INTERVAL_S + 2 * TIMEOUT_S + 0.15
+
+    asyncio.run(main())
+
+
+def test_an_answering_engine_is_never_declared():
+    async def answered(method: str, timeout_s: float) -> bool:
+        return False
+
+    async def main():
+        task, declared = _probe(lambda: 0.0, answered)
+        await asyncio.sleep(0.5)
+        task.cancel()
+        assert not declared
+
+    asyncio.run(main())
