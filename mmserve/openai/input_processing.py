@@ -9,6 +9,7 @@ tokenizing long prompts run in a small thread pool, off the event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from mmserve.text import (
     ModelFiles,
     TextContent,
     Tokenizer,
+    ToolCall as TextToolCall,
     load_chat_template,
     resolve_stop_token_ids,
 )
@@ -38,6 +40,7 @@ from .metrics import RequestRecord
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequestFields
 from .settings import ServingSettings
 from .structured_outputs import structured_outputs
+from .tool_calls import template_tools
 
 # Prompts with at least this many characters of text are templated and tokenized off the
 # event loop (≈1 µs per character: 32 k characters block the loop for ≈30 ms).
@@ -142,7 +145,10 @@ class InputProcessor:
     async def chat_prompt(self, request: ChatCompletionRequest, limits: EngineLimits) -> list[int]:
         """The rendered chat template, tokenized; each image is ONE placeholder token here (the
         engine client expands it once the preprocessor has measured the image)."""
-        chars = sum(text_chars(m.content) for m in request.messages)
+        tools = template_tools(request)
+        # Tools and the history's tool-call arguments are prompt text too.
+        chars = sum(text_chars(m.content) + sum(len(c.function.arguments) for c in m.tool_calls or ()) for m in request.messages)
+        chars += len(json.dumps(tools)) if tools else 0
         self.check_prompt_chars(chars, limits, "messages")
         messages = [_conversation_message(m) for m in request.messages]
 
@@ -152,6 +158,7 @@ class InputProcessor:
                     messages,
                     add_generation_prompt=request.add_generation_prompt,
                     continue_final_message=request.continue_final_message,
+                    tools=tools,
                 )
             except (ValueError, TemplateError) as exc:
                 raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
@@ -326,4 +333,9 @@ def _conversation_message(message: ChatMessage) -> ConversationMessage:
     content = message.content
     if isinstance(content, list):
         content = tuple(TextContent(part.text) if part.type == "text" else MediaContent("image") for part in content)
-    return ConversationMessage(role=message.role, content=content, name=message.name, tool_call_id=message.tool_call_id)
+    tool_calls = None
+    if message.tool_calls is not None:
+        tool_calls = tuple(TextToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls)
+    return ConversationMessage(
+        role=message.role, content=content, name=message.name, tool_call_id=message.tool_call_id, tool_calls=tool_calls
+    )

@@ -44,12 +44,71 @@ class ImageURLPart(BaseModel):
 ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 
+class FunctionCall(BaseModel):
+    """An assistant message's call of a function (OpenAI's `function` of a tool call): the arguments
+    are JSON text, as the model wrote them."""
+
+    model_config = _REQUEST
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """An entry of an assistant message's `tool_calls` (vLLM's `ChatCompletionMessageToolCallParam`)."""
+
+    model_config = _REQUEST
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _REQUEST
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    # Assistant messages of the history: the calls the model made.
+    tool_calls: list[ToolCall] | None = None
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function (vLLM's `FunctionDefinition`)."""
+
+    model_config = _REQUEST
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(BaseModel):
+    """An entry of `tools` (vLLM's `ChatCompletionToolsParam`)."""
+
+    model_config = _REQUEST
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    def template_dict(self) -> dict:
+        """The tool as the chat template sees it: vLLM's `model_dump()` of its `ChatCompletionToolsParam`
+        (unknown keys dropped, `description` and `parameters` kept when null, `strict` only when set)."""
+        function = {"name": self.function.name, "description": self.function.description, "parameters": self.function.parameters}
+        if self.function.strict is not None:
+            function["strict"] = self.function.strict
+        return {"type": "function", "function": function}
+
+
+class NamedFunction(BaseModel):
+    model_config = _REQUEST
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming one function (vLLM's `ChatCompletionNamedToolChoiceParam`)."""
+
+    model_config = _REQUEST
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class StreamOptions(BaseModel):
@@ -121,7 +180,8 @@ class ChatCompletionRequest(SamplingRequestFields):
     continue_final_message: bool = False
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    # Checked in request_checks (as vLLM's `check_tool_usage` does), so that its refusals read as vLLM's.
     tool_choice: str | dict | None = None
 
 

@@ -13,6 +13,7 @@ import math
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequestFields
 from .settings import ServingLimits
+from .tool_calls import check_tools
 
 _INT64_MIN, _INT64_MAX, _UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 
@@ -93,8 +94,7 @@ def check_chat_request(request: ChatCompletionRequest) -> None:
             raise bad_request("`top_logprobs` must be a positive value or -1.", "top_logprobs")
         if (top_logprobs == -1 or top_logprobs > 0) and not request.logprobs:
             raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-    if request.tools:
-        raise bad_request("tool calling is not supported by this server yet", "tools")
+    check_tools(request)
     if request.add_generation_prompt and request.continue_final_message:
         raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
     if request.max_completion_tokens is not None and request.max_tokens is not None and request.max_completion_tokens != request.max_tokens:

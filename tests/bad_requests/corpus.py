@@ -279,7 +279,6 @@ def _message_cases() -> list[BadRequest]:
         "max-tokens-and-completion-tokens-disagree": (_chat(max_completion_tokens=9), "max_completion_tokens"),
         "unknown-model": (_chat(model="gpt-17"), "model"),
         "unknown-model-stream": (_chat(model="no-such-model", stream=True), "model"),
-        "tools": (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
         "top-logprobs-without-logprobs": (_chat(top_logprobs=2), "top_logprobs"),
         "top-logprobs-negative": (_chat(logprobs=True, top_logprobs=-2), "top_logprobs"),
         "top-logprobs-beyond-max": (_chat(logprobs=True, top_logprobs=21), "logprobs"),
@@ -471,10 +470,83 @@ def _structured_cases() -> list[BadRequest]:
     return cases
 
 
+# ----------------------------------------------------------------------------- tools
+
+_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def _tool_call(**function: Any) -> dict:
+    return {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}", **function}}
+
+
+def _history(*tool_calls: Any, **assistant: Any) -> list[dict]:
+    return [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": list(tool_calls),
+            **assistant}, {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]  # fmt: skip
+
+
+def _tool_cases() -> list[BadRequest]:
+    """Tools and tool_choice as vLLM's `check_tool_usage` refuses them, then what a server without a
+    tool-call parser refuses (as `vllm serve` without `--tool-call-parser` does), then bad tool shapes."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    bodies = {
+        "empty-list": (_chat(tools=[]), "tools"),
+        "tools-default-to-auto": (_chat(tools=[_TOOL]), "tool_choice"),
+        "tools-default-to-auto-stream": (_chat(tools=[_TOOL], stream=True), "tool_choice"),
+        "auto": (_chat(tools=[_TOOL], tool_choice="auto"), "tool_choice"),
+        "required": (_chat(tools=[_TOOL], tool_choice="required"), "tool_choice"),
+        "named": (_chat(tools=[_TOOL], tool_choice=named), "tool_choice"),
+        "choice-without-tools": (_chat(tool_choice="required"), "tool_choice"),
+        "named-without-tools": (_chat(tool_choice=named), "tool_choice"),
+        "choice-unknown-word": (_chat(tools=[_TOOL], tool_choice="always"), "tool_choice"),
+        "choice-number": (_chat(tools=[_TOOL], tool_choice=1), None),
+        "named-unknown-function": (_chat(tools=[_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
+                                   "tool_choice"),  # fmt: skip
+        "named-function-missing": (_chat(tools=[_TOOL], tool_choice={"type": "function"}), "tool_choice.function"),
+        "named-function-string": (_chat(tools=[_TOOL], tool_choice={"type": "function", "function": "get_weather"}),
+                                  "tool_choice.function"),  # fmt: skip
+        "named-name-missing": (_chat(tools=[_TOOL], tool_choice={"type": "function", "function": {}}),
+                               "tool_choice.function.name"),  # fmt: skip
+        "named-name-empty": (_chat(tools=[_TOOL], tool_choice={"type": "function", "function": {"name": ""}}),
+                             "tool_choice.function.name"),  # fmt: skip
+        "named-name-number": (_chat(tools=[_TOOL], tool_choice={"type": "function", "function": {"name": 7}}),
+                              "tool_choice.function.name"),  # fmt: skip
+        "tool-not-object": (_chat(tools=["get_weather"]), None),
+        "tool-function-missing": (_chat(tools=[{"type": "function"}], tool_choice="none"), "tools.0.function"),
+        "tool-type-unknown": (_chat(tools=[{"type": "retrieval", "function": {"name": "f"}}], tool_choice="none"),
+                              "tools.0.type"),  # fmt: skip
+        "tool-name-missing": (_chat(tools=[{"type": "function", "function": {}}], tool_choice="none"),
+                              "tools.0.function.name"),  # fmt: skip
+        "tool-name-number": (_chat(tools=[{"type": "function", "function": {"name": 5}}], tool_choice="none"),
+                             "tools.0.function.name"),  # fmt: skip
+        "tool-parameters-not-object": (
+            _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "{}"}}], tool_choice="none"),
+            "tools.0.function.parameters"),
+        "tool-strict-string": (
+            _chat(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}], tool_choice="none"),
+            "tools.0.function.strict"),
+        "history-tool-calls-not-list": (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": {"id": "x"}}]},
+            None),
+        "history-tool-call-not-object": ({"messages": _history("call_1")}, None),
+        "history-tool-call-type-unknown": ({"messages": _history(_tool_call() | {"type": "retrieval"})}, None),
+        "history-tool-call-id-missing": ({"messages": _history({"type": "function", "function": {"name": "f", "arguments": "{}"}})},
+                                         None),  # fmt: skip
+        "history-tool-call-function-missing": ({"messages": _history({"id": "c", "type": "function"})}, None),
+        "history-tool-call-name-missing": ({"messages": _history(_tool_call(name=None) | {"function": {"arguments": "{}"}})}, None),
+        "history-tool-call-arguments-object": ({"messages": _history(_tool_call(arguments={"city": "Paris"}))}, None),
+        "history-tool-call-arguments-missing": ({"messages": _history({"id": "c", "type": "function", "function": {"name": "f"}})},
+                                                None),  # fmt: skip
+        "history-tool-call-id-number": ({"messages": _history(_tool_call() | {"id": 1})}, None),
+        "tool-message-call-id-number": (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "r", "tool_call_id": 3}]}, None),
+    }
+    return [BadRequest(f"tools-{name}", "tools", CHAT, body, param) for name, (body, param) in bodies.items()]
+
+
 def build_corpus() -> list[BadRequest]:
     corpus = (
         _malformed_cases() + _type_cases() + _message_cases() + _prompt_cases()
-        + _sampling_cases() + _structured_cases() + _image_cases()
+        + _sampling_cases() + _structured_cases() + _tool_cases() + _image_cases()
     )
     ids = [case.id for case in corpus]
     duplicates = {i for i in ids if ids.count(i) > 1}

@@ -45,7 +45,7 @@ def test_corpus_is_large_and_covers_every_category():
     by_category = collections.Counter(case.category for case in CORPUS)
     assert len(CORPUS) >= 150, by_category
     assert set(by_category) == {
-        "malformed", "wrong types", "messages", "prompts", "sampling ranges", "structured outputs", "images"
+        "malformed", "wrong types", "messages", "prompts", "sampling ranges", "structured outputs", "tools", "images"
     }
     assert {case.endpoint for case in CORPUS} == {"/v1/chat/completions", "/v1/completions"}
     assert any(b'"stream": true' in case.content() for case in CORPUS)

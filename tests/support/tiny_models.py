@@ -51,6 +51,47 @@ def _save_weights(model, dest: Path) -> None:
             shutil.copyfile(f, dest / f.name)
 
 
+# The tiny Qwen2-VL's chat template: Qwen2-VL's, unchanged for requests without tools, and for requests
+# with tools a branch of our own in the Hermes format Qwen2.5 and Qwen3 use (tools as JSON in the system
+# prompt, the history's calls in <tool_call>, tool results in <tool_response>), so that the tools a
+# request carries, exactly as vLLM hands them to the template, are in the prompt the tests compare.
+_CONTENT_MACRO = (
+    "{% macro content_text(content) %}{% if content is string %}{{ content }}{% elif content %}"
+    "{% for part in content %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+)
+_TOOLS_BRANCH = (  # (a newline right after a block tag is dropped: transformers renders with trim_blocks)
+    "<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ content_text(messages[0]['content']) }}\n\n"
+    "{% else %}You are a helpful assistant.\n\n{% endif %}"
+    "# Tools\n\nYou may call functions. Their signatures, one JSON object per line:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n\n"
+    "To call one, write its name and arguments as a JSON object between <tool_call> and </tool_call>:\n"
+    "<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments as a JSON object>}\n</tool_call><|im_end|>\n"
+    "{% for message in messages %}{% if not (loop.first and message['role'] == 'system') %}"
+    "{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ content_text(message['content']) }}"
+    "\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ content_text(message['content']) }}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{{ '\\n' }}<tool_call>\n{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endif %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen2_vl_template_with_tools(template: str) -> str:
+    """Qwen2-VL's ``template`` with the tools branch above."""
+    return _CONTENT_MACRO + "{% if tools %}" + _TOOLS_BRANCH + "{% else %}" + template + "{% endif %}"
+
+
+def _add_tools_to_template(dest: Path) -> None:
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        data = json.loads((dest / name).read_text())
+        data["chat_template"] = qwen2_vl_template_with_tools(data["chat_template"])
+        (dest / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
 def build_tiny_qwen2_vl(dest: Path, seed: int = 0) -> Path:
     """Copy the built-in Qwen2-VL model dir to ``dest`` and add random bf16 weights. Returns ``dest``."""
     call_in_reference("tests.support.tiny_models:_build_tiny_qwen2_vl_here", str(dest), seed)
@@ -66,6 +107,7 @@ def _build_tiny_qwen2_vl_here(dest: str, seed: int) -> None:  # in the reference
     for f in sorted(BUILTIN_MODEL_DIR.iterdir()):
         if f.is_file():
             shutil.copyfile(f, dest / f.name)
+    _add_tools_to_template(dest)
     config = Qwen2VLConfig.from_pretrained(dest)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.float32)

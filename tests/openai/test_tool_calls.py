@@ -1,0 +1,88 @@
+"""`mmserve.openai.tool_calls`: vLLM's checks of `tools` and `tool_choice` in its words, and the refusals
+of a server without a tool-call parser. `test_refusals_word_for_word_as_vllm` runs vLLM's own request model
+on the same bodies (reference venv)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmserve.openai.errors import OpenAIError
+from mmserve.openai.protocol import ChatCompletionRequest
+from mmserve.openai.tool_calls import check_tools, template_tools
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+# body fields -> the param named, for requests vLLM's request model itself refuses (check_tool_usage)
+VLLM_REFUSES = {
+    "empty-tools": ({"tools": []}, "tools"),
+    "choice-without-tools": ({"tool_choice": "auto"}, "tool_choice"),
+    "named-without-tools": ({"tool_choice": NAMED}, "tool_choice"),
+    "unknown-word": ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice"),
+    "named-unknown-function": ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
+    "function-missing": ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice.function"),
+    "function-not-object": ({"tools": [TOOL], "tool_choice": {"type": "function", "function": "f"}}, "tool_choice.function"),
+    "name-missing": ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
+    "name-empty": ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": ""}}}, "tool_choice.function.name"),
+}
+# Requests vLLM's request model takes, and a server without a tool-call parser refuses.
+NEEDS_A_PARSER = {
+    "default-auto": {"tools": [TOOL]},
+    "auto": {"tools": [TOOL], "tool_choice": "auto"},
+    "required": {"tools": [TOOL], "tool_choice": "required"},
+    "named": {"tools": [TOOL], "tool_choice": NAMED},
+}
+SERVED = {
+    "no-tools": {},
+    "none": {"tools": [TOOL], "tool_choice": "none"},
+    "null": {"tools": [TOOL], "tool_choice": None},
+    "none-without-tools": {"tool_choice": "none"},
+    "null-without-tools": {"tool_choice": None},
+}
+
+
+def _request(fields: dict) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+
+
+def _refusal(fields: dict) -> OpenAIError:
+    with pytest.raises(OpenAIError) as refused:
+        check_tools(_request(fields))
+    assert refused.value.status == 400
+    return refused.value
+
+
+@pytest.mark.parametrize("name", VLLM_REFUSES)
+def test_vllm_refusals_name_the_field(name):
+    fields, param = VLLM_REFUSES[name]
+    assert _refusal(fields).param == param
+
+
+@pytest.mark.parametrize("name", NEEDS_A_PARSER)
+def test_what_needs_a_parser_is_refused_naming_tool_choice(name):
+    error = _refusal(NEEDS_A_PARSER[name])
+    assert error.param == "tool_choice" and "requires a tool-call parser" in error.message
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_none_and_null_are_served_with_the_tools_in_the_prompt(name):
+    request = _request(SERVED[name])
+    check_tools(request)
+    tools = template_tools(request)
+    assert tools == ([{"type": "function", "function": {"name": "get_weather", "description": None, "parameters": {"type": "object"}}}]
+                     if request.tools else None)  # fmt: skip
+
+
+def test_refusals_word_for_word_as_vllm():
+    """vLLM's `ChatCompletionRequest` refuses the same bodies with the same messages; it takes the
+    ones that need a parser (vLLM refuses those later, in its renderer) and the served ones."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmChatRequest
+    from vllm.exceptions import VLLMValidationError
+
+    for name, (fields, _) in VLLM_REFUSES.items():
+        with pytest.raises((ValueError, VLLMValidationError)) as vllm_refused:
+            VllmChatRequest.model_validate({"messages": MESSAGES, **fields})
+        assert _refusal(fields).message in str(vllm_refused.value), name
+    for fields in [*NEEDS_A_PARSER.values(), *SERVED.values()]:
+        VllmChatRequest.model_validate({"messages": MESSAGES, **fields})
