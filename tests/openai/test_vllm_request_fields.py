@@ -75,3 +75,28 @@ def test_tables_cover_vllm_request_models():
         for name, default in table.items():
             assert name in vllm_fields, f"{name} is not a field of vLLM's {vllm_model.__name__}"
             assert vllm_fields[name].get_default(call_default_factory=True) == default, name
+
+
+def test_openai_fields_vllm_ignores_are_ignored_here_and_listed_in_readme():
+    """OpenAI's own request fields (the `openai` client's) that vLLM's request models lack, and so ignore,
+    are ignored here too (served, not refused), and README's API section names every one of them."""
+    from pathlib import Path
+
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmChat
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VllmCompletion
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    openai_params = {
+        "chat": (chat_create_params.CompletionCreateParamsBase, VllmChat),
+        "completions": (completion_create_params.CompletionCreateParamsBase, VllmCompletion),
+    }
+    for endpoint, (params, vllm_model) in openai_params.items():
+        model, base, check, table = ENDPOINTS[endpoint]
+        ignored_by_vllm = sorted(set(params.__annotations__) - set(vllm_model.model_fields))
+        assert ignored_by_vllm, endpoint
+        for name in ignored_by_vllm:
+            assert name not in model.model_fields and name not in table, name
+            check(model.model_validate({**base, name: {"any": "value"}}))
+            assert f"`{name}`" in readme, f"README's API section does not list OpenAI's {name} as ignored"
