@@ -181,7 +181,7 @@ class ChatCompletionRequest(SamplingRequestFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[ChatCompletionTool] | None = None
-    # Checked in request_checks (as vLLM's `check_tool_usage` does), so that its refusals read as vLLM's.
+    # "none" | "auto" | "required" | a named function: checked in tool_calls.py as vLLM checks it, in its words.
     tool_choice: str | dict | None = None
 
 
