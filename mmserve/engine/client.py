@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -85,8 +84,6 @@ class EngineClient:
         # ADDs, and the multimodal items in them (by hash where the engine holds them).
         self.adds = EngineAdds(self._send)
         self._release_task: asyncio.Task[None] | None = None
-        # When the output loop last read a frame from the engine (monotonic): proof of life.
-        self._last_frame_at = 0.0
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -126,7 +123,7 @@ class EngineClient:
             asyncio.create_task(watch_disconnect(monitor, self._declare_dead), name="engine-monitor"),
             asyncio.create_task(probe_health(
                 self.call_utility, lambda: self.state is EngineState.READY, self._declare_hung,
-                lambda: self._last_frame_at, config.health_check_interval_s, config.health_check_timeout_s,
+                self._transport.last_heard, config.health_check_interval_s, config.health_check_timeout_s,
             ), name="engine-health"),
         ]
         self.state = EngineState.READY
@@ -242,7 +239,6 @@ class EngineClient:
         assert self._transport is not None
         while True:
             frames = await self._transport.recv_output()
-            self._last_frame_at = time.monotonic()
             try:
                 outputs = self._decoder.decode(frames)
             except EngineDeadMessage:

@@ -47,8 +47,9 @@ async def probe_health(
 
     The answer comes on the output socket behind the outputs the engine sent before it: a client that
     lags behind a fast engine (a loaded gateway on few cores) reads it late although the engine is
-    well, and the outputs it reads meanwhile prove that. A hung engine sends nothing: once the
-    outputs already sent are read, the next health check declares it."""
+    well, and the outputs it reads meanwhile prove that, as do outputs that wait unread when the
+    client's own loop was stalled (`EngineTransport.last_heard`). A hung engine sends nothing: once
+    the outputs already sent are read, the next health check declares it."""
     while is_ready():
         await asyncio.sleep(interval_s)
         started = time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -84,6 +85,7 @@ class EngineTransport:
         # Called with (array, zmq frame) for every zero-copy frame sent (tests, diagnostics).
         self.frame_observer: Callable[[np.ndarray, zmq.Frame], None] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
+        self._last_output_at = 0.0
         self.closed = False
 
     async def handshake(self, timeout_s: float) -> ReadyResponse:
@@ -151,7 +153,18 @@ class EngineTransport:
         await self._inputs.send_multipart(parts, copy=False)
 
     async def recv_output(self) -> list[bytes]:
-        return await self._outputs.recv_multipart()
+        frames = await self._outputs.recv_multipart()
+        self._last_output_at = time.monotonic()
+        return frames
+
+    def last_heard(self) -> float:
+        """When the engine was last heard from (monotonic), the proof of life of a busy engine: when an
+        output was last read, or now if one waits unread. zmq's I/O thread receives while this
+        process's event loop is stalled (a loaded gateway), and a stalled loop must not take the
+        engine's outputs for silence."""
+        if self._outputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return time.monotonic()
+        return self._last_output_at
 
     def close_handshake(self) -> None:
         """Unbind the handshake port (the handshake cannot be redone on this connection)."""

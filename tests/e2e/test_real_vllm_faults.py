@@ -17,7 +17,8 @@ The health check is tight (VLLM_FAST_HEALTH: every 0.5 s, 3.0 s to answer), so a
 within 3.5 s and open streams must end within 4 s. 3.0 s, not the built-in engine's 1.0 s: an engine
 busy with a step answers no health check, and on 2 cores shared with Serve and the tests a real
 engine's steps sometimes take seconds (it was declared hung before the fault twice at 1.0 s, and once
-at 2.0 s while running two long streams; outputs arriving now also prove it alive, mmserve/engine/liveness.py).
+at 2.0 s while running two long streams; outputs read, or waiting unread behind a stalled gateway, now
+also prove it alive: mmserve/engine/liveness.py).
 """
 
 from __future__ import annotations

@@ -64,3 +64,34 @@ def test_an_answering_engine_is_never_declared():
         assert not declared
 
     asyncio.run(main())
+
+
+
+def test_an_output_waiting_unread_counts_as_heard_now():
+    """A client whose event loop was stalled (a loaded gateway) finds its health check timed out and
+    the engine's outputs still unread: they prove the engine alive (a gateway stalled for longer than
+    the timeout declared a well engine hung, in a full run of the suite)."""
+    import zmq
+
+    from mmserve.engine.transport import EngineAddresses, EngineTransport
+
+    async def main():
+        transport = EngineTransport(EngineAddresses("tcp://127.0.0.1:0"))
+        engine = zmq.Context.instance().socket(zmq.PUSH)
+        engine.connect(transport.output_address)
+        try:
+            assert transport.last_heard() == 0.0
+            engine.send_multipart([b"output"])
+            deadline = time.monotonic() + 2
+            while transport.last_heard() == 0.0 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the event loop is blocked: nothing reads the output
+            assert time.monotonic() - transport.last_heard() < 0.1
+            assert await transport.recv_output() == [b"output"]
+            read_at = time.monotonic()
+            time.sleep(0.2)
+            assert 0 <= read_at - transport.last_heard() < 0.1  # read, nothing waiting: when it was read
+        finally:
+            engine.close(linger=0)
+            transport.close()
+
+    asyncio.run(main())
