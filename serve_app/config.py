@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from mmserve.openai.tool_parsers import TOOL_CALL_PARSERS
+
 BUILTIN = "builtin"
 BUILTIN_MODEL_DIR = Path(__file__).resolve().parent.parent / "mmserve" / "builtin_engine" / "model"
 
@@ -249,6 +251,18 @@ class AppConfig(BaseModel):
     api_key: str | None = None
     # Diagnostics: engine clients remember where their last N zero-copy frames lived.
     trace_wire_frames: int = 0
+    # How the model writes tool calls (vLLM's --tool-call-parser): "hermes" (Qwen2.5 and later, Hermes);
+    # None: no parser, tool_choice "none" only.
+    tool_call_parser: str | None = None
+    # tool_choice "auto" (the default with tools) allowed (vLLM's --enable-auto-tool-choice).
+    enable_auto_tool_choice: bool = False
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown tool_call_parser {value!r}; this server has {sorted(TOOL_CALL_PARSERS)}")
+        return value
 
     @field_validator("engines", mode="before")
     @classmethod
@@ -278,6 +292,8 @@ class AppConfig(BaseModel):
                 "engine_client_resources does nothing with engine_launch: each engine client is placed with its "
                 "engine (engine_launch.resources); remove it"
             )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser: the parser that reads the calls")
         if "builtin_engine" in given and not self.uses_builtin_engine:
             raise ValueError("builtin_engine does nothing with engines or engine_launch (no built-in engine runs); remove it")
         return self

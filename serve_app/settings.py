@@ -13,7 +13,7 @@ from mmserve.engine import EngineAddresses
 from mmserve.engine.mm_cache import EngineCacheSettings
 from mmserve.fetch import FetchPolicy
 from mmserve.multimodal.preprocessor import PreprocessorLimits
-from mmserve.openai.settings import RoutingSettings, ServingLimits, ServingSettings
+from mmserve.openai.settings import RoutingSettings, ServingLimits, ServingSettings, ToolCallSettings
 from mmserve.vision import ImageLimits
 
 from .config import AppConfig, EngineEndpoint
@@ -38,6 +38,7 @@ def serving_settings(config: AppConfig) -> ServingSettings:
         engine_wait_timeout_s=config.engine_wait_timeout_s,
         api_key=config.api_key,
         routing=_same_fields(RoutingSettings, config.routing),
+        tool_calls=ToolCallSettings(parser=config.tool_call_parser, enable_auto_tool_choice=config.enable_auto_tool_choice),
     )
 
 

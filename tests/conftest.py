@@ -46,6 +46,7 @@ REFERENCE_TESTS: dict[str, str | set[str]] = {
         "test_tables_cover_vllm_request_models", "test_openai_fields_vllm_ignores_are_ignored_here_and_listed_in_readme"
     },
     "tests/openai/test_tool_calls.py": {"test_refusals_word_for_word_as_vllm"},
+    "tests/openai/test_tool_call_parsing.py": "*",
     "tests/vision/test_fast_paths.py": "*",
     "tests/vision/test_image_io.py": "*",
     "tests/vision/test_llava.py": "*",
@@ -203,7 +204,7 @@ def builtin_app(serve_instance: ServeInstance) -> DeployedApp:
 
 # --------------------------------------------------------------------------- real vLLM engine
 
-from tests.support.session_vllm import TINY_MODEL_NAME  # noqa: E402 - after the environment above
+from tests.support.session_vllm import TINY_MODEL_NAME, TOOL_CALL_PARSER  # noqa: E402 - after the environment above
 
 _SESSION_VLLM = pytest.StashKey["SessionVllm"]()
 _QUICK_START = pytest.StashKey["BackgroundQuickStart"]()
@@ -327,6 +328,9 @@ def vllm_app(serve_instance: ServeInstance, session_vllm, tiny_qwen2_vl_dir) -> 
                 "handshake_timeout_s": 600,
                 # CPU engine on a 2-core machine shared with the tests: generous but bounded.
                 "health_check_timeout_s": 20,
+                # As the reference `vllm serve` (tests/support/session_vllm.py).
+                "tool_call_parser": TOOL_CALL_PARSER,
+                "enable_auto_tool_choice": True,
             },
             ready_timeout_s=600,
         )

@@ -170,6 +170,11 @@ class ChatCompletionRequest(SamplingRequestFields):
     tools: list[ChatCompletionTool] | None = None
     # "none" | "auto" | "required" | a named function: checked in tool_calls.py as vLLM checks it, in its words.
     tool_choice: str | dict | None = None
+    # False: at most one call (the engine stops after it, the answer keeps the first).
+    parallel_tool_calls: bool | None = True
+    # False, with a tool-call parser configured: no logprobs or token ids shown (vLLM hides them so that
+    # reasoning tokens do not leak; kept for its answers' sake).
+    include_reasoning: bool = True
 
 
 class CompletionRequest(SamplingRequestFields):
@@ -191,6 +196,8 @@ class UsageInfo(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # The calls a tool-call parser read in the answer.
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionLogProb(BaseModel):

@@ -13,7 +13,8 @@ import math
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequestFields
 from .settings import ServingLimits
-from .tool_calls import check_tools
+from .settings import ToolCallSettings
+from .tool_calls import ToolChoiceMode, check_tools
 
 _INT64_MIN, _INT64_MAX, _UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 
@@ -64,11 +65,9 @@ NOT_IMPLEMENTED_COMPLETION_FIELDS: dict[str, object] = {
     "prompt_embeds": None,
 }
 # Answer-neutral here: ids and chunking (`request_id`, `session_id`, `stream_interval`), or meaningful only
-# with a feature refused on its own (`parallel_tool_calls`, `include_reasoning` with tools or reasoning,
-# `length_penalty` with beam search, `truncation_side` with `truncate_prompt_tokens`).
-NEUTRAL_VLLM_FIELDS = frozenset(
-    {"request_id", "session_id", "stream_interval", "parallel_tool_calls", "include_reasoning", "length_penalty", "truncation_side"}
-)
+# with a feature refused on its own (`length_penalty` with beam search, `truncation_side` with
+# `truncate_prompt_tokens`).
+NEUTRAL_VLLM_FIELDS = frozenset({"request_id", "session_id", "stream_interval", "length_penalty", "truncation_side"})
 
 
 def _check_not_implemented(request: SamplingRequestFields, fields: dict[str, object]) -> None:
@@ -85,7 +84,8 @@ def _check_unsupported(request: SamplingRequestFields, not_implemented: dict[str
     _check_not_implemented(request, not_implemented)
 
 
-def check_chat_request(request: ChatCompletionRequest) -> None:
+def check_chat_request(request: ChatCompletionRequest, tool_calls: ToolCallSettings) -> ToolChoiceMode:
+    """Checks of a chat request's own fields; returns its tool choice, as its answer reads it."""
     _check_unsupported(request, NOT_IMPLEMENTED_CHAT_FIELDS)
     top_logprobs = request.top_logprobs
     if top_logprobs is not None:
@@ -94,11 +94,12 @@ def check_chat_request(request: ChatCompletionRequest) -> None:
             raise bad_request("`top_logprobs` must be a positive value or -1.", "top_logprobs")
         if (top_logprobs == -1 or top_logprobs > 0) and not request.logprobs:
             raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-    check_tools(request)
+    tool_choice = check_tools(request, tool_calls)
     if request.add_generation_prompt and request.continue_final_message:
         raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
     if request.max_completion_tokens is not None and request.max_tokens is not None and request.max_completion_tokens != request.max_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree; send one of them", "max_completion_tokens")
+    return tool_choice
 
 
 def chat_logprobs(request: ChatCompletionRequest, max_logprobs: int, vocab_size: int, engine_kind: str) -> int | None:

@@ -14,6 +14,8 @@ from .metrics import RequestRecord
 from .output_processing import ChoiceDelta, ChoiceResult, usage
 from .protocol import (
     ChatCompletionChoice,
+    FunctionCall,
+    ToolCall,
     ChatCompletionChunk,
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -26,6 +28,8 @@ from .protocol import (
 from .serving_common import ServingContext, prompt_logprobs_response
 from .sse import event_stream, sse, started
 from .stream_chunks import DeltaChunks
+from .tool_call_output import ChoiceToolCalls
+from .tool_calls import ToolCallPlan, engine_tool_constraints, tool_call_plan
 
 
 class ChatServing:
@@ -37,7 +41,8 @@ class ChatServing:
     ) -> ChatCompletionResponse | AsyncIterator[str | bytes]:
         context = self.context
         context.check_model(request.model)
-        request_checks.check_chat_request(request)
+        tool_choice = request_checks.check_chat_request(request, context.settings.tool_calls)
+        tool_plan = tool_call_plan(request, tool_choice, context.settings.tool_calls)
         image_urls = context.inputs.take_image_urls(request)
         num_images = len(image_urls)
         limits = await context.engine_limits()
@@ -53,6 +58,9 @@ class ChatServing:
             request, prompt_ids, max_tokens, "chatcmpl", limits, num_images=num_images,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
+        if tool_plan is not None and (changed := engine_tool_constraints(request, tool_plan, prepared.sampling.structured_outputs)):
+            prepared.skip_special_tokens = prepared.sampling.skip_special_tokens = changed[0]
+            prepared.sampling.structured_outputs = changed[1]
         prepared.attach(record, num_images=num_images)
         if image_urls:
             prepared.images = context.router.preprocess(
@@ -64,14 +72,24 @@ class ChatServing:
         # as the response.
         del image_urls
         if request.stream:
-            return await started(self._stream(request, prepared))
+            return await started(self._stream(request, prepared, tool_plan))
         with_ids = bool(request.return_token_ids)
 
         def choice(r: ChoiceResult) -> ChatCompletionChoice:
+            message, finish_reason, metadata = ResponseMessage(content=r.text), r.finish_reason, True
+            if tool_plan is not None:
+                tools = ChoiceToolCalls(tool_plan)
+                answer = tools.whole(r.text, r.finish_reason)
+                message = ResponseMessage(content=answer.content, tool_calls=None if answer.tool_calls is None else [
+                    ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments)) for call in answer.tool_calls
+                ])  # fmt: skip
+                finish_reason, metadata = answer.finish_reason, tools.shows_metadata
             return ChatCompletionChoice(
-                index=r.index, message=ResponseMessage(content=r.text), finish_reason=r.finish_reason,
-                stop_reason=r.stop_reason, token_ids=r.token_ids if with_ids else None,
-                logprobs=None if r.logprobs is None else ChatCompletionLogProbs(content=[msgspec.to_builtins(t) for t in r.logprobs]),
+                index=r.index, message=message, finish_reason=finish_reason,
+                stop_reason=r.stop_reason, token_ids=r.token_ids if with_ids and metadata else None,
+                logprobs=None if r.logprobs is None or not metadata else ChatCompletionLogProbs(
+                    content=[msgspec.to_builtins(t) for t in r.logprobs]
+                ),
             )
 
         return await context.outputs.full_response(
@@ -82,7 +100,9 @@ class ChatServing:
             },
         )
 
-    async def _stream(self, request: ChatCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str | bytes]:
+    async def _stream(
+        self, request: ChatCompletionRequest, prepared: PreparedRequest, tool_plan: ToolCallPlan | None
+    ) -> AsyncIterator[str | bytes]:
         with_ids = bool(request.return_token_ids)
         model = self.context.model_name
 
@@ -95,8 +115,13 @@ class ChatServing:
 
         chunks = DeltaChunks("chat.completion.chunk", prepared.request_id, prepared.created, model)
 
-        def delta_chunk(delta: ChoiceDelta) -> bytes:
-            return chunks.chat(delta, with_ids)
+        # With a tool-call parser, one reader per choice (it keeps state).
+        readers = None if tool_plan is None else [ChoiceToolCalls(tool_plan) for _ in range(prepared.n)]
+
+        def delta_chunk(delta: ChoiceDelta) -> bytes | None:
+            if readers is None:
+                return chunks.chat(delta, with_ids)
+            return _parsed_chunk(chunks, readers[delta.index], delta, with_ids)
 
         # First chunk of every choice announces the role, as OpenAI and vLLM do.
         def opening() -> str:
@@ -110,3 +135,14 @@ class ChatServing:
             request, deltas, delta_chunk, lambda tokens: chunk([], usage_info=usage(prepared, tokens)), opening
         ):
             yield event
+
+
+def _parsed_chunk(chunks: DeltaChunks, tools: ChoiceToolCalls, delta: ChoiceDelta, with_ids: bool) -> bytes | None:
+    """A delta read by the choice's tool-call parser as a chunk, or None where vLLM sends none: the
+    parser has nothing yet and the delta neither finishes the choice nor carries shown logprobs or ids."""
+    message = tools.delta(delta.text, finished=delta.finish_reason is not None)
+    metadata = tools.shows_metadata
+    if message is None and delta.finish_reason is None and not (metadata and (delta.logprobs or (with_ids and delta.token_ids))):
+        return None
+    finish_reason = None if delta.finish_reason is None else tools.stream_finish_reason(delta.finish_reason)
+    return chunks.chat_parsed(delta, message, finish_reason, with_ids, metadata)

@@ -47,6 +47,16 @@ class RoutingSettings:
 
 
 @dataclass(frozen=True)
+class ToolCallSettings:
+    """A model's tool-call parsing (see README's configuration table)."""
+
+    # vLLM's --tool-call-parser: a name in `tool_parsers.TOOL_CALL_PARSERS`; None: no parser.
+    parser: str | None
+    # vLLM's --enable-auto-tool-choice: `tool_choice` "auto" (the default with tools) allowed.
+    enable_auto_tool_choice: bool
+
+
+@dataclass(frozen=True)
 class ServingSettings:
     """What one ingress replica needs: the model, its name, the limits, image intake, access."""
 
@@ -60,5 +70,6 @@ class ServingSettings:
     # How long a request waits for a starting engine before it gets a 503.
     engine_wait_timeout_s: float
     routing: RoutingSettings
+    tool_calls: ToolCallSettings
     # None: no authentication (the ingress also reads MMSERVE_API_KEY).
     api_key: str | None

@@ -43,11 +43,11 @@ async def started(stream: AsyncIterator[str | bytes]) -> AsyncIterator[str | byt
 async def event_stream(
     request: SamplingRequestFields,
     deltas: AsyncIterator[ChoiceDelta],
-    delta_chunk: Callable[[ChoiceDelta], str | bytes],
+    delta_chunk: Callable[[ChoiceDelta], str | bytes | None],
     usage_chunk: Callable[[int], str],
     opening: Callable[[], str] | None = None,
 ) -> AsyncIterator[str | bytes]:
-    """Deltas as events (skipping empty ones), usage if asked for (`usage_chunk(completion
+    """Deltas as events (skipping empty ones, and those `delta_chunk` makes nothing of), usage if asked for (`usage_chunk(completion
     tokens)`), then [DONE]; an error after the first event is an `ErrorEvent`."""
     with_ids = bool(request.return_token_ids)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -64,7 +64,8 @@ async def event_stream(
             # logprobs were asked for, as vLLM sends it: every token's entry reaches the client.
             if not delta.text and delta.finish_reason is None and not (with_ids and delta.token_ids) and not delta.logprobs:
                 continue
-            yield delta_chunk(delta)
+            if (chunk := delta_chunk(delta)) is not None:  # None: nothing to send for it
+                yield chunk
         if include_usage:
             yield usage_chunk(completion_tokens)
     except OpenAIError as exc:

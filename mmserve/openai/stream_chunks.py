@@ -14,6 +14,7 @@ import msgspec
 
 from .logprobs import ChatLogprobs, CompletionLogprobs
 from .output_processing import ChoiceDelta
+from .tool_parsers import DeltaToolCall, ParsedDelta
 
 _encode = msgspec.json.Encoder().encode
 
@@ -24,11 +25,23 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str
 
 
+class ToolCallsDelta(msgspec.Struct, omit_defaults=True):
+    """`DeltaMessage` as a tool-call parser makes it: `content` shown even when null, `tool_calls` when
+    there are any."""
+
+    content: str | None
+    tool_calls: list[DeltaToolCall] = msgspec.field(default_factory=list)
+
+
+class EmptyDelta(msgspec.Struct):
+    """`DeltaMessage()`: a choice's last chunk when the parser had nothing to add."""
+
+
 class ChatStreamChoice(msgspec.Struct, omit_defaults=True):
     """`ChatCompletionStreamChoice`."""
 
     index: int
-    delta: ChatDelta
+    delta: ChatDelta | ToolCallsDelta | EmptyDelta
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: ChatLogprobs | None = None
@@ -47,6 +60,15 @@ class CompletionStreamChoice(msgspec.Struct, omit_defaults=True):
     prompt_token_ids: list[int] | None = None
 
 
+def parsed_delta(message: ParsedDelta | str | None) -> ChatDelta | ToolCallsDelta | EmptyDelta:
+    """A chunk's `delta` for what a tool-call parser made of it (`ChoiceToolCalls.delta`)."""
+    if message is None:
+        return EmptyDelta()
+    if isinstance(message, str):
+        return ChatDelta(message)
+    return ToolCallsDelta(message.content, message.tool_calls)
+
+
 class DeltaChunks:
     """One streamed request's delta chunks, as complete SSE events (bytes)."""
 
@@ -63,6 +85,17 @@ class DeltaChunks:
         return self._event(ChatStreamChoice(
             delta.index, ChatDelta(delta.text), delta.finish_reason, delta.stop_reason,
             None if delta.logprobs is None else ChatLogprobs(delta.logprobs), delta.token_ids if with_ids else None,
+        ))
+
+    def chat_parsed(
+        self, delta: ChoiceDelta, message: ParsedDelta | str | None, finish_reason: str | None, with_ids: bool, metadata: bool
+    ) -> bytes:
+        """A chunk of a stream read by a tool-call parser: its `message` (`ChoiceToolCalls.delta`), the
+        finish reason it decided; no logprobs or token ids unless `metadata`."""
+        shown = parsed_delta(message)
+        logprobs = None if delta.logprobs is None or not metadata else ChatLogprobs(delta.logprobs)
+        return self._event(ChatStreamChoice(
+            delta.index, shown, finish_reason, delta.stop_reason, logprobs, delta.token_ids if with_ids and metadata else None,
         ))
 
     def completion(

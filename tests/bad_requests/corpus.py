@@ -539,8 +539,18 @@ def _tool_cases() -> list[BadRequest]:
         "history-tool-call-id-number": ({"messages": _history(_tool_call() | {"id": 1})}, None),
         "tool-message-call-id-number": (
             {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "r", "tool_call_id": 3}]}, None),
+        # vLLM's `check_structured_outputs_count`: a json, regex or choice constraint with a named function
+        # or an explicit null tool_choice.
+        "constraint-with-named": (_chat(tools=[_TOOL], tool_choice=named, structured_outputs={"regex": "a+"}), "tool_choice"),
+        "constraint-with-null-choice": (_chat(tool_choice=None, structured_outputs={"choice": ["a", "b"]}), "tool_choice"),
     }
     return [BadRequest(f"tools-{name}", "tools", CHAT, body, param) for name, (body, param) in bodies.items()]
+
+
+# Refused only by a server without a tool-call parser (and auto tool choice): one with them serves these.
+SERVED_WITH_A_TOOL_CALL_PARSER = frozenset(
+    {"tools-tools-default-to-auto", "tools-tools-default-to-auto-stream", "tools-auto", "tools-required", "tools-named"}
+)
 
 
 def build_corpus() -> list[BadRequest]:

@@ -1,6 +1,6 @@
-"""`mmserve.openai.tool_calls`: vLLM's checks of `tools` and `tool_choice` in its words, and the refusals
-of a server without a tool-call parser. `test_refusals_word_for_word_as_vllm` runs vLLM's own request model
-on the same bodies (reference venv)."""
+"""`mmserve.openai.tool_calls`: vLLM's checks of `tools` and `tool_choice` in its words, the refusals of a
+server without a tool-call parser or without auto tool choice, and the tool choice each request is read
+with. `test_refusals_word_for_word_as_vllm` runs vLLM's own request model on the same bodies (reference venv)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import pytest
 
 from mmserve.openai.errors import OpenAIError
 from mmserve.openai.protocol import ChatCompletionRequest
+from mmserve.openai.settings import ToolCallSettings
 from mmserve.openai.tool_calls import check_tools, template_tools
+
+NO_PARSER = ToolCallSettings(parser=None, enable_auto_tool_choice=False)
+HERMES = ToolCallSettings(parser="hermes", enable_auto_tool_choice=True)
+HERMES_WITHOUT_AUTO = ToolCallSettings(parser="hermes", enable_auto_tool_choice=False)
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
@@ -26,19 +31,20 @@ VLLM_REFUSES = {
     "name-missing": ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
     "name-empty": ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": ""}}}, "tool_choice.function.name"),
 }
-# Requests vLLM's request model takes, and a server without a tool-call parser refuses.
+# Requests vLLM's request model takes, and a server without a tool-call parser refuses: the tool choice
+# a server with one reads them with.
 NEEDS_A_PARSER = {
-    "default-auto": {"tools": [TOOL]},
-    "auto": {"tools": [TOOL], "tool_choice": "auto"},
-    "required": {"tools": [TOOL], "tool_choice": "required"},
-    "named": {"tools": [TOOL], "tool_choice": NAMED},
+    "default-auto": ({"tools": [TOOL]}, "auto"),
+    "auto": ({"tools": [TOOL], "tool_choice": "auto"}, "auto"),
+    "required": ({"tools": [TOOL], "tool_choice": "required"}, "required"),
+    "named": ({"tools": [TOOL], "tool_choice": NAMED}, "named"),
 }
 SERVED = {
-    "no-tools": {},
-    "none": {"tools": [TOOL], "tool_choice": "none"},
-    "null": {"tools": [TOOL], "tool_choice": None},
-    "none-without-tools": {"tool_choice": "none"},
-    "null-without-tools": {"tool_choice": None},
+    "no-tools": ({}, "none"),
+    "none": ({"tools": [TOOL], "tool_choice": "none"}, "none"),
+    "null": ({"tools": [TOOL], "tool_choice": None}, "null"),
+    "none-without-tools": ({"tool_choice": "none"}, "none"),
+    "null-without-tools": ({"tool_choice": None}, "none"),
 }
 
 
@@ -46,29 +52,43 @@ def _request(fields: dict) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
 
 
-def _refusal(fields: dict) -> OpenAIError:
+def _refusal(fields: dict, config: ToolCallSettings = NO_PARSER) -> OpenAIError:
     with pytest.raises(OpenAIError) as refused:
-        check_tools(_request(fields))
+        check_tools(_request(fields), config)
     assert refused.value.status == 400
     return refused.value
 
 
+@pytest.mark.parametrize("config", [NO_PARSER, HERMES], ids=["no-parser", "hermes"])
 @pytest.mark.parametrize("name", VLLM_REFUSES)
-def test_vllm_refusals_name_the_field(name):
+def test_vllm_refusals_name_the_field(name, config):
     fields, param = VLLM_REFUSES[name]
-    assert _refusal(fields).param == param
+    assert _refusal(fields, config).param == param
 
 
 @pytest.mark.parametrize("name", NEEDS_A_PARSER)
 def test_what_needs_a_parser_is_refused_naming_tool_choice(name):
-    error = _refusal(NEEDS_A_PARSER[name])
+    error = _refusal(NEEDS_A_PARSER[name][0])
     assert error.param == "tool_choice" and "requires a tool-call parser" in error.message
 
 
+@pytest.mark.parametrize("name", NEEDS_A_PARSER)
+def test_a_parser_serves_them_and_auto_needs_enabling(name):
+    fields, mode = NEEDS_A_PARSER[name]
+    assert check_tools(_request(fields), HERMES) == mode
+    if mode == "auto":
+        error = _refusal(fields, HERMES_WITHOUT_AUTO)
+        assert error.param == "tool_choice" and "requires enable_auto_tool_choice" in error.message
+    else:
+        assert check_tools(_request(fields), HERMES_WITHOUT_AUTO) == mode
+
+
+@pytest.mark.parametrize("config", [NO_PARSER, HERMES], ids=["no-parser", "hermes"])
 @pytest.mark.parametrize("name", SERVED)
-def test_none_and_null_are_served_with_the_tools_in_the_prompt(name):
-    request = _request(SERVED[name])
-    check_tools(request)
+def test_none_and_null_are_served_with_the_tools_in_the_prompt(name, config):
+    fields, mode = SERVED[name]
+    request = _request(fields)
+    assert check_tools(request, config) == mode
     tools = template_tools(request)
     assert tools == ([{"type": "function", "function": {"name": "get_weather", "description": None, "parameters": {"type": "object"}}}]
                      if request.tools else None)  # fmt: skip
@@ -84,5 +104,5 @@ def test_refusals_word_for_word_as_vllm():
         with pytest.raises((ValueError, VLLMValidationError)) as vllm_refused:
             VllmChatRequest.model_validate({"messages": MESSAGES, **fields})
         assert _refusal(fields).message in str(vllm_refused.value), name
-    for fields in [*NEEDS_A_PARSER.values(), *SERVED.values()]:
+    for fields, _ in [*NEEDS_A_PARSER.values(), *SERVED.values()]:
         VllmChatRequest.model_validate({"messages": MESSAGES, **fields})

@@ -12,6 +12,7 @@ import pytest
 
 from mmserve.openai.errors import OpenAIError
 from mmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
+from mmserve.openai.settings import ToolCallSettings
 from mmserve.openai.request_checks import (
     NEUTRAL_VLLM_FIELDS,
     NOT_IMPLEMENTED_CHAT_FIELDS,
@@ -22,8 +23,9 @@ from mmserve.openai.request_checks import (
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"prompt": "hi"}
+NO_TOOL_PARSER = ToolCallSettings(parser=None, enable_auto_tool_choice=False)
 ENDPOINTS = {
-    "chat": (ChatCompletionRequest, CHAT, check_chat_request, NOT_IMPLEMENTED_CHAT_FIELDS),
+    "chat": (ChatCompletionRequest, CHAT, lambda request: check_chat_request(request, NO_TOOL_PARSER), NOT_IMPLEMENTED_CHAT_FIELDS),
     "completions": (CompletionRequest, COMPLETION, check_completion_request, NOT_IMPLEMENTED_COMPLETION_FIELDS),
 }
 

@@ -60,3 +60,18 @@ def test_routing_settings_reach_the_router_and_bad_values_are_refused():
             AppConfig.model_validate({"routing": bad})
     with pytest.raises(pydantic.ValidationError):
         AppConfig.model_validate({"cors_allow_origins": ["https://a.example"]})  # removed: it was never read
+
+
+def test_tool_call_settings_reach_the_ingress_and_unusable_ones_are_refused():
+    import pydantic
+    import pytest
+
+    from mmserve.openai.settings import ToolCallSettings
+
+    assert serving_settings(AppConfig()).tool_calls == ToolCallSettings(parser=None, enable_auto_tool_choice=False)
+    config = AppConfig.model_validate({"tool_call_parser": "hermes", "enable_auto_tool_choice": "true"})  # as from the CLI
+    assert serving_settings(config).tool_calls == ToolCallSettings(parser="hermes", enable_auto_tool_choice=True)
+    with pytest.raises(pydantic.ValidationError, match="unknown tool_call_parser 'qwen'; this server has \\['hermes'\\]"):
+        AppConfig.model_validate({"tool_call_parser": "qwen"})
+    with pytest.raises(pydantic.ValidationError, match="enable_auto_tool_choice needs tool_call_parser"):
+        AppConfig.model_validate({"enable_auto_tool_choice": True})

@@ -37,6 +37,10 @@ from .vllm_reference import ReferenceResult, run_offline_reference
 
 TINY_MODEL_NAME = "tiny-qwen2-vl"
 MAX_MODEL_LEN = 1024
+# Tool calls read by vLLM's Hermes parser (the tiny Qwen2-VL's template writes Hermes-style tools): the
+# reference server's flags, and the session app's `tool_call_parser` / `enable_auto_tool_choice`.
+TOOL_CALL_PARSER = "hermes"
+REFERENCE_SERVER_TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", TOOL_CALL_PARSER)
 
 # The app engine's handshake port is chosen now and bound by the app minutes later, so it must be a
 # port nothing else takes meanwhile: below Linux's ephemeral range (32768+, where the kernel picks
@@ -133,7 +137,7 @@ class SessionVllm:
     def _new_server(self, model_dir: Path) -> VllmApiServer:
         return VllmApiServer(
             model_dir, served_model_name=TINY_MODEL_NAME, max_model_len=MAX_MODEL_LEN,
-            log_path=self._root / "reference_server.log",
+            extra_args=REFERENCE_SERVER_TOOL_FLAGS, log_path=self._root / "reference_server.log",
         ).start()  # fmt: skip
 
     def _new_engine(self, model_dir: Path, port: int) -> HeadlessVllmEngine:
