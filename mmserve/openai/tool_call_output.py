@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .tool_calls import ToolCallPlan
-from .tool_parsers import DeltaToolCall, ParsedDelta
+from .tool_parsers import ParsedDelta
 from .tool_parsers.base import ParsedToolCall
 
 
@@ -52,7 +52,7 @@ class ChoiceToolCalls:
             return [], text
         if not plan.enable_auto_tool_choice:
             return [], text
-        info = self.parser.extract_tool_calls(text, None)  # type: ignore[arg-type]
+        info = self.parser.extract_tool_calls(text)
         if info.tools_called:
             content = info.content
             return info.tool_calls, None if content is not None and not content.strip() else content
@@ -84,7 +84,7 @@ class ChoiceToolCalls:
         if self.plan.mode == "none":
             message = delta_text or None
         else:
-            message = self.parser.extract_tool_calls_streaming(current_text, None)  # type: ignore[arg-type]
+            message = self.parser.extract_tool_calls_streaming(current_text)
         self._previous_text = current_text
         if isinstance(message, ParsedDelta) and message.tool_calls:
             self.tools_streamed = True
@@ -99,5 +99,3 @@ class ChoiceToolCalls:
             return "tool_calls"
         return finish_reason
 
-
-__all__ = ["ChoiceToolCalls", "DeltaToolCall", "WholeAnswer"]

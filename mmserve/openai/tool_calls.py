@@ -153,7 +153,7 @@ def engine_tool_constraints(
     does: (skip_special_tokens, structured outputs), or None when nothing changes."""
     if plan.mode == "none":
         return None
-    skip_special_tokens = request.skip_special_tokens and not plan.parser().adjusts_skip_special_tokens()
+    skip_special_tokens = request.skip_special_tokens and not plan.parser.keeps_special_tokens
     if plan.mode == "null":
         return skip_special_tokens, structured
     assert request.tools is not None

@@ -87,7 +87,7 @@ CHOICE_CASES = {
     "null": (ASK, {"tools": [WEATHER], "tool_choice": None}),
     "history-required": (HISTORY, {"tools": [WEATHER_STRICT], "tool_choice": "required", "parallel_tool_calls": False}),
 }
-CHOICE_SAMPLING = {"temperature": 0.0, "max_tokens": 128, "return_token_ids": True}  # one character a token
+CHOICE_SAMPLING = {"temperature": 0.0, "max_tokens": 80, "return_token_ids": True}  # one character a token: a call is 64
 
 
 def _answer(base_url: str, messages: list, fields: dict) -> dict:

@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ..protocol import ChatCompletionRequest
-
 
 def make_tool_call_id() -> str:
     """vLLM's `make_tool_call_id()` (the "random" kind)."""
@@ -68,21 +66,22 @@ class ToolCallParser:
     makes the engine write this parser's format (`structural_tags.py`)."""
 
     structural_tag_model: str
+    # Requests that may call tools keep special tokens in their text (vLLM's `adjust_request` sets
+    # skip_special_tokens false): the call markers are special tokens in some tokenizers.
+    keeps_special_tokens: bool = False
 
     def __init__(self) -> None:
         # vLLM's streaming state: per call, what was parsed and what was sent of its arguments.
         self.prev_tool_call_arr: list[dict] = []
         self.streamed_args_for_tool: list[str] = []
 
-    def adjusts_skip_special_tokens(self) -> bool:
-        """Whether requests that may call tools must keep special tokens in the text (the call markers
-        are special tokens in some tokenizers)."""
-        return False
-
-    def extract_tool_calls(self, model_output: str, request: ChatCompletionRequest) -> ExtractedToolCalls:
+    def extract_tool_calls(self, model_output: str) -> ExtractedToolCalls:
+        """The calls of a whole answer (vLLM's `extract_tool_calls`)."""
         raise NotImplementedError
 
-    def extract_tool_calls_streaming(self, current_text: str, request: ChatCompletionRequest) -> ParsedDelta | None:
+    def extract_tool_calls_streaming(self, current_text: str) -> ParsedDelta | None:
+        """What is new in a stream whose text so far is `current_text` (vLLM's `extract_tool_calls_streaming`,
+        which also takes the previous text and the deltas; the parsers here read the whole text)."""
         raise NotImplementedError
 
     def remaining_unstreamed_args(self) -> str:

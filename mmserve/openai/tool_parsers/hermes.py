@@ -14,7 +14,6 @@ import json
 import logging
 import re
 
-from ..protocol import ChatCompletionRequest
 from .base import DeltaFunctionCall, DeltaToolCall, ExtractedToolCalls, ParsedDelta, ParsedToolCall, ToolCallParser, make_tool_call_id
 
 logger = logging.getLogger(__name__)
@@ -50,15 +49,13 @@ def _name(call: dict) -> str:
 
 class HermesToolParser(ToolCallParser):
     structural_tag_model = "hermes"
+    keeps_special_tokens = True
 
     def __init__(self) -> None:
         super().__init__()
         self._sent_content_idx = 0
 
-    def adjusts_skip_special_tokens(self) -> bool:
-        return True
-
-    def extract_tool_calls(self, model_output: str, request: ChatCompletionRequest) -> ExtractedToolCalls:
+    def extract_tool_calls(self, model_output: str) -> ExtractedToolCalls:
         if START not in model_output:
             return ExtractedToolCalls(False, [], model_output)
         try:
@@ -119,7 +116,7 @@ class HermesToolParser(ToolCallParser):
                 raw = raw[:-1].rstrip()
         return raw
 
-    def extract_tool_calls_streaming(self, current_text: str, request: ChatCompletionRequest) -> ParsedDelta | None:
+    def extract_tool_calls_streaming(self, current_text: str) -> ParsedDelta | None:
         content = self._content(current_text)
         deltas: list[DeltaToolCall] = []
         for i, (call_json, complete) in enumerate(self._call_jsons(current_text)):
