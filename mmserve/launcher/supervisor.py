@@ -9,6 +9,10 @@
   SIGKILL to every process of the tree that is left — the tree is listed from /proc before the
   signals, since orphans are re-parented away from us as soon as their parent dies.
 
+Each process gets a directory of its own for vLLM's IPC socket files (`VLLM_RPC_BASE_PATH`, else /tmp),
+removed once the process and its tree are gone: a killed engine leaves its sockets behind, and an
+engine restarted for months would fill /tmp with them.
+
 The child stays in our process group (a new session would take vLLM's children out of reach of
 whoever cleans up after us) and gets SIGTERM when our process dies (PR_SET_PDEATHSIG), so a
 killed launcher does not leave an engine running.
@@ -21,8 +25,10 @@ import ctypes
 import logging
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -160,20 +166,25 @@ class EngineSupervisor:
         while not self._stopping:
             started = time.monotonic()
             self._restart_now.clear()
-            # A plain Popen, not asyncio's: asyncio's wait() also waits for the output pipe to close,
-            # which a child the engine left behind can hold open forever.
-            self._process = process = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env}, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )
-            self.starts += 1
-            self.log.info("engine process %d started: %s", process.pid, " ".join(self.argv))
-            threading.Thread(target=self._forward_output, args=(process,), daemon=True, name="engine-log").start()
-            track = asyncio.create_task(self._track_tree(process.pid))
-            code = await asyncio.to_thread(process.wait)
-            track.cancel()
-            # Children the engine left behind when it died (re-parented away from us by now).
-            _signal_all(self._last_tree[1:], signal.SIGKILL)
+            run_dir = tempfile.mkdtemp(prefix="mmserve-engine-")
+            try:
+                # A plain Popen, not asyncio's: asyncio's wait() also waits for the output pipe to close,
+                # which a child the engine left behind can hold open forever.
+                self._process = process = subprocess.Popen(
+                    self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    env={**os.environ, "VLLM_RPC_BASE_PATH": run_dir, **self.env},
+                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                )
+                self.starts += 1
+                self.log.info("engine process %d started: %s", process.pid, " ".join(self.argv))
+                threading.Thread(target=self._forward_output, args=(process,), daemon=True, name="engine-log").start()
+                track = asyncio.create_task(self._track_tree(process.pid))
+                code = await asyncio.to_thread(process.wait)
+                track.cancel()
+                # Children the engine left behind when it died (re-parented away from us by now).
+                _signal_all(self._last_tree[1:], signal.SIGKILL)
+            finally:  # also when `stop()` cancels this loop, after killing the tree
+                shutil.rmtree(run_dir, ignore_errors=True)
             self.exits.append(code)
             if self._stopping:
                 return

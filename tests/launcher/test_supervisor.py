@@ -7,19 +7,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from mmserve.launcher.supervisor import EngineSupervisor, RestartPolicy, process_tree, vllm_serve_argv
 
 FAKE_ENGINE = r"""
-import os, signal, subprocess, sys, time
+import os, signal, socket, subprocess, sys, time, uuid
 child = subprocess.Popen([sys.executable, "-c",
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
-print(f"engine up, child {child.pid}", flush=True)
+# An IPC socket file where vLLM puts them (get_open_zmq_ipc_path), left behind as vLLM leaves them.
+ipc = os.path.join(os.environ["VLLM_RPC_BASE_PATH"], str(uuid.uuid4()))
+socket.socket(socket.AF_UNIX).bind(ipc)
+print(f"engine up, child {child.pid}, socket file {ipc}", flush=True)
 if sys.argv[1] == "exit":
     time.sleep(0.5)
     sys.exit(3)
@@ -58,12 +63,16 @@ async def test_stop_leaves_no_process_even_a_child_that_ignores_sigterm(caplog):
     tree = await _wait(lambda: len(sup.tree()) == 2 and sup.tree(), 20, "engine and child running")
     await _wait(lambda: "engine up" in caplog.text, 10, "output forwarded to the log")
     assert all(_alive(pid) for pid in tree)
+    ipc = Path(re.search(r"socket file (/\S+)", caplog.text).group(1))
+    assert ipc.exists() and ipc.parent.name.startswith("mmserve-engine-")
     await sup.stop()
     await _wait(lambda: not any(_alive(pid) for pid in tree), 5, "tree gone")
     assert sup.starts == 1
+    assert not ipc.parent.exists()  # its IPC sockets' directory went with it
 
 
-async def test_exit_is_restarted_with_doubling_backoff():
+async def test_exit_is_restarted_with_doubling_backoff(caplog):
+    caplog.set_level(logging.INFO, "test.engine")
     sup = _supervisor("exit", backoff_initial_s=0.5, backoff_max_s=1.0, stop_timeout_s=2.0)
     sup.start()
     seen: set[int] = set()
@@ -79,6 +88,8 @@ async def test_exit_is_restarted_with_doubling_backoff():
     assert sup.exits[:2] == [3, 3]
     await sup.stop()
     await _wait(lambda: not any(_alive(pid) for pid in seen), 5, "no orphan of any run (the children left by exits included)")
+    run_dirs = {Path(path).parent for path in re.findall(r"socket file (/\S+)", caplog.text)}
+    assert len(run_dirs) >= 2 and not any(d.exists() for d in run_dirs)  # one per start, each removed
 
 
 async def test_restart_kills_a_hung_tree_and_starts_at_once():

@@ -17,6 +17,7 @@ tail ``log_tail()`` returns (put it in assertion messages).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,7 +69,9 @@ class _VllmProcess:
             os.close(fd)
             log_path = Path(name)
         self.log_path = Path(log_path)
-        self._env = vllm_env(**(env or {}))
+        # vLLM's IPC socket files, which a killed engine leaves behind: removed with the process.
+        self._ipc_dir = tempfile.mkdtemp(prefix="vllm_ipc_")
+        self._env = vllm_env(**{"VLLM_RPC_BASE_PATH": self._ipc_dir, **(env or {})})
         self._proc: subprocess.Popen | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -124,6 +127,7 @@ class _VllmProcess:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
         return self._proc.returncode
 
     def kill(self) -> None:
@@ -134,6 +138,7 @@ class _VllmProcess:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def sigstop(self) -> None:
         """Freeze every process of the engine (a hang: sockets stay open, nothing answers)."""
