@@ -14,15 +14,15 @@ from .metrics import RequestRecord
 from .output_processing import ChoiceDelta, ChoiceResult, usage
 from .protocol import (
     ChatCompletionChoice,
-    FunctionCall,
-    ToolCall,
     ChatCompletionChunk,
     ChatCompletionLogProbs,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     DeltaMessage,
+    FunctionCall,
     ResponseMessage,
+    ToolCall,
     UsageInfo,
 )
 from .serving_common import ServingContext, prompt_logprobs_response

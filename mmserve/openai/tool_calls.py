@@ -50,7 +50,6 @@ class ToolCallPlan:
     parser: type[ToolCallParser]
     enable_auto_tool_choice: bool
     mode: ToolChoiceMode
-    function_name: str | None  # the named function
     parallel_tool_calls: bool | None
     include_reasoning: bool
 
@@ -140,9 +139,8 @@ def tool_call_plan(request: ChatCompletionRequest, mode: ToolChoiceMode, config:
     if config.parser is None:
         return None
     return ToolCallPlan(
-        TOOL_CALL_PARSERS[config.parser], config.enable_auto_tool_choice, mode,
-        request.tool_choice["function"]["name"] if mode == "named" else None,  # type: ignore[index]
-        request.parallel_tool_calls, request.include_reasoning,
+        TOOL_CALL_PARSERS[config.parser], config.enable_auto_tool_choice, mode, request.parallel_tool_calls,
+        request.include_reasoning,
     )  # fmt: skip
 
 

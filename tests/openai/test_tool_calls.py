@@ -106,3 +106,33 @@ def test_refusals_word_for_word_as_vllm():
         assert _refusal(fields).message in str(vllm_refused.value), name
     for fields, _ in [*NEEDS_A_PARSER.values(), *SERVED.values()]:
         VllmChatRequest.model_validate({"messages": MESSAGES, **fields})
+
+
+def _constraints(fields: dict):
+    from mmserve.openai.structured_outputs import structured_outputs
+    from mmserve.openai.tool_calls import engine_tool_constraints, tool_call_plan
+
+    request = _request(fields)
+    plan = tool_call_plan(request, check_tools(request, HERMES), HERMES)
+    return engine_tool_constraints(request, plan, structured_outputs(request))
+
+
+STRICT = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {"type": "object"}}}
+
+
+def test_a_strict_tools_schema_is_checked_before_it_reaches_the_engine():
+    with pytest.raises(OpenAIError) as refused:
+        _constraints({"tools": [{**STRICT, "function": {**STRICT["function"], "parameters": {"type": "nonsense"}}}],
+                      "tool_choice": "required"})  # fmt: skip
+    assert refused.value.status == 400 and refused.value.param == "tools"
+
+
+def test_auto_with_a_strict_tool_and_a_grammar_takes_ebnf_and_refuses_lark():
+    skip, sent = _constraints({"tools": [STRICT], "structured_outputs": {"grammar": 'root ::= "a"'}})
+    assert skip is False and '"grammar": "root ::= \\"a\\""' in sent.structural_tag
+    with pytest.raises(OpenAIError) as refused:
+        _constraints({"tools": [STRICT], "structured_outputs": {"grammar": 'start: "a"'}})
+    assert refused.value.status == 400 and refused.value.param == "structured_outputs" and "Lark" in refused.value.message
+    # Without a strict tool no tag is built, and the Lark grammar constrains the answer as it is.
+    skip, sent = _constraints({"tools": [TOOL], "structured_outputs": {"grammar": 'start: "a"'}})
+    assert sent.grammar == 'start: "a"' and sent.structural_tag is None
