@@ -47,8 +47,8 @@ async def event_stream(
     usage_chunk: Callable[[int], str],
     opening: Callable[[], str] | None = None,
 ) -> AsyncIterator[str | bytes]:
-    """Deltas as events (skipping empty ones, and those `delta_chunk` makes nothing of), usage if asked for (`usage_chunk(completion
-    tokens)`), then [DONE]; an error after the first event is an `ErrorEvent`."""
+    """Deltas as events (skipping empty ones, and those `delta_chunk` makes nothing of), usage if asked
+    for (`usage_chunk(completion tokens)`), then [DONE]; an error after the first event is an `ErrorEvent`."""
     with_ids = bool(request.return_token_ids)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     completion_tokens = 0
