@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .tool_calls import ToolCallPlan
-from .tool_parsers import ParsedDelta
-from .tool_parsers.base import ParsedToolCall
+from .tool_parsers import ParsedDelta, ParsedToolCall
 
 
 @dataclass
@@ -35,7 +34,7 @@ class ChoiceToolCalls:
     def __init__(self, plan: ToolCallPlan) -> None:
         self.plan = plan
         self.parser = plan.parser()
-        self._previous_text = ""
+        self._text = ""  # the stream's text so far (the parser re-reads it whole, as vLLM's does)
         self.tools_streamed = False
 
     @property
@@ -48,9 +47,7 @@ class ChoiceToolCalls:
     def _parsed(self, text: str) -> tuple[list[ParsedToolCall] | None, str | None]:
         """vLLM's `DelegatingParser._extract_tool_calls` for a parser without required/named support."""
         plan = self.plan
-        if plan.mode == "none":
-            return [], text
-        if not plan.enable_auto_tool_choice:
+        if plan.mode == "none" or not plan.enable_auto_tool_choice:
             return [], text
         info = self.parser.extract_tool_calls(text)
         if info.tools_called:
@@ -79,14 +76,11 @@ class ChoiceToolCalls:
 
     def delta(self, delta_text: str, finished: bool) -> ParsedDelta | str | None:
         """vLLM's `parse_delta`: plain content (a str), content and tool-call deltas, or None."""
-        current_text = self._previous_text + delta_text
-        message: ParsedDelta | str | None
         if self.plan.mode == "none":
-            message = delta_text or None
-        else:
-            message = self.parser.extract_tool_calls_streaming(current_text)
-        self._previous_text = current_text
-        if isinstance(message, ParsedDelta) and message.tool_calls:
+            return delta_text or None  # no calls to read: nothing kept per token
+        self._text += delta_text
+        message = self.parser.extract_tool_calls_streaming(self._text)
+        if message is not None and message.tool_calls:
             self.tools_streamed = True
             if finished and (last := message.tool_calls[-1]).function is not None:
                 last.function.arguments = (last.function.arguments or "") + self.parser.remaining_unstreamed_args()

@@ -6,20 +6,11 @@ One module per parser; `TOOL_CALL_PARSERS` is the registry a model's config name
 
 from __future__ import annotations
 
-from .base import DeltaFunctionCall, DeltaToolCall, ExtractedToolCalls, ParsedDelta, ToolCallParser, make_tool_call_id
+from .base import DeltaToolCall, ParsedDelta, ParsedToolCall, ToolCallParser
 from .hermes import HermesToolParser
 
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesToolParser,
 }
 
-__all__ = [
-    "TOOL_CALL_PARSERS",
-    "DeltaFunctionCall",
-    "DeltaToolCall",
-    "ExtractedToolCalls",
-    "HermesToolParser",
-    "ParsedDelta",
-    "ToolCallParser",
-    "make_tool_call_id",
-]
+__all__ = ["TOOL_CALL_PARSERS", "DeltaToolCall", "HermesToolParser", "ParsedDelta", "ParsedToolCall", "ToolCallParser"]

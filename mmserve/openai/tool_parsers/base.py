@@ -54,8 +54,8 @@ class DeltaToolCall(msgspec.Struct, omit_defaults=True):
 
 @dataclass
 class ParsedDelta:
-    """vLLM's `DeltaMessage` as a tool-call parser returns it: `content` and `tool_calls` both set
-    (a chunk shows both, `content` null when there is none)."""
+    """vLLM's `DeltaMessage` as a tool-call parser returns it: `content` always set (a chunk shows it,
+    null when there is none), `tool_calls` shown only when there are any."""
 
     content: str | None
     tool_calls: list[DeltaToolCall]
