@@ -9,11 +9,8 @@ and file:// images from a temporary directory (large JPEGs, so preprocessing tak
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -21,6 +18,7 @@ from ray import serve
 
 from tests.e2e.fault_support import wait_for, write_big_jpegs
 from tests.conftest import deploy_app
+from tests.support.raw_http import reset, send_chat
 
 pytestmark = pytest.mark.serve
 
@@ -48,25 +46,6 @@ def app(serve_instance, image_dir):
 
 
 
-def _send_raw(app, body: dict) -> socket.socket:
-    """POST a chat request over a bare socket and return without reading anything."""
-    url = urlsplit(app.base_url)
-    payload = json.dumps(body).encode()
-    sock = socket.create_connection((url.hostname, url.port), timeout=10)
-    head = (
-        f"POST {url.path}/v1/chat/completions HTTP/1.1\r\nHost: {url.hostname}:{url.port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-    ).encode()
-    sock.sendall(head + payload)
-    return sock
-
-
-def _abort_connection(sock: socket.socket) -> None:
-    # RST rather than FIN: the proxy sees the client gone at once.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-    sock.close()
-
-
 def _engine_idle_within(app, seconds: float) -> float:
     start = time.monotonic()
     wait_for(lambda: app.engine_utility("has_work") is False, seconds, "engine has no request left")
@@ -89,14 +68,14 @@ def test_disconnect_before_first_token(app):
         lines = keeper.iter_lines()
         next(lines)  # the keeper holds the engine's only slot
         sent = app.engine_info().requests_sent
-        sock = _send_raw(app, {"messages": CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True})
+        sock = send_chat(app.base_url, {"messages": CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True})
         try:
             # Its ADD reached the engine, which queues it (no token yet).
             wait_for(lambda: app.engine_info().requests_sent == sent + 1, 10, "ADD sent")
             wait_for(lambda: app.engine_info().engine_waiting == 1, 2, "request queued in the engine")
         finally:
             left_at = time.monotonic()
-            _abort_connection(sock)
+            reset(sock)
         assert app.engine_info().num_in_flight in (1, 2)
         # Within 1 s: the engine reports one request (the keeper) and nothing waiting.
         wait_for(lambda: (i := app.engine_info()).engine_waiting == 0 and i.engine_running == 1 and i.num_in_flight == 1,
@@ -137,10 +116,10 @@ def test_disconnect_during_preprocessing(app, image_dir, stream):
     # last long enough for that to be "during" it, with a margin for the ingress's own work.
     assert took > 0.4, f"preprocessing too fast ({took:.2f} s) to disconnect during it"
     sent = app.engine_info().requests_sent
-    sock = _send_raw(app, _images_body(image_dir, stream=stream))
+    sock = send_chat(app.base_url, _images_body(image_dir, stream=stream))
     time.sleep(min(0.3, took / 4))
     left_at = time.monotonic()
-    _abort_connection(sock)
+    reset(sock)
     assert app.engine_info().requests_sent == sent, "the engine request was sent before the client left"
     # Wait out the preprocessing (and then some): still no ADD, nothing running.
     while time.monotonic() - left_at < took + 2.0:

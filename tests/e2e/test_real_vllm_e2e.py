@@ -9,10 +9,11 @@ equal Hugging Face's `apply_chat_template`.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
+from tests.e2e.fault_support import wait_for
+from tests.support.raw_http import read_until, reset, send_chat
 from tests.support.reference_venv import call_in_reference
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.serve]
@@ -172,27 +173,48 @@ def test_bad_requests_leave_the_engine_serving(vllm_app, greedy_reference):
 
 
 def test_client_disconnect_leaves_no_running_request(vllm_app):
-    import httpx
+    """A client that leaves mid-stream: the engine runs its request no more.
 
+    The engine is held still with vLLM's own `pause_scheduler("keep")` (nothing is scheduled until
+    `resume_scheduler`; inputs, aborts and utility calls are still handled), so that "mid-stream"
+    does not depend on the gateway outrunning the engine: the request is let run for the time of
+    two utility calls, paused with its first tokens sent and most of its 900 still to make, and the
+    client leaves then. After the gateway has sent its ABORT, the engine is resumed: with the abort
+    honoured it has nothing to run; without it, it would go on generating the request."""
     body = {"model": vllm_app.model_name, "messages": CHATS[0], "max_tokens": 900, "ignore_eos": True, "stream": True}
-    # The tiny CPU model can outrun the gateway's delivery: only a disconnect while the engine
-    # itself is still generating proves anything, so retry until that is the case. The handle is
-    # made and used once beforehand: its first call (controller lookup, router start) can take
-    # longer than the engine needs for all 900 tokens.
-    engine = vllm_app.app.engine_handle(0)
-    engine.info.remote().result(timeout_s=30)
-    for _ in range(6):
-        with httpx.stream("POST", vllm_app.app.base_url + "/v1/chat/completions", json=body, timeout=120) as resp:
-            assert resp.status_code == 200, resp.read()
-            next(resp.iter_lines())  # the first chunk arrives with the first token
-            engine_busy = engine.call_utility.remote("has_work").result(timeout_s=30)
-        if engine_busy:
-            break
-        time.sleep(0.5)
-    else:
-        raise AssertionError("the engine always finished before the client could leave")
-    left_at = time.monotonic()
-    while engine.call_utility.remote("has_work").result(timeout_s=30):
-        assert time.monotonic() - left_at < 1.0, "the engine still runs the request 1 s after the client left"
-        time.sleep(0.05)
-    assert vllm_app.app.engine_info().num_in_flight == 0
+    app = vllm_app.app
+    handle = app.engine_handle(0)
+
+    def utility(method: str, *args):
+        return handle.call_utility.remote(method, *args).result(timeout_s=30)
+
+    def in_flight() -> int:
+        return handle.info.remote().result(timeout_s=30).num_in_flight
+
+    utility("pause_scheduler", "keep", False)
+    try:
+        sent = handle.info.remote().result(timeout_s=30).requests_sent
+        sock = send_chat(app.base_url, body)
+        try:
+            wait_for(lambda: handle.info.remote().result(timeout_s=30).requests_sent == sent + 1, 30, "ADD sent")
+            received = b""
+            for _ in range(20):  # a few steps between resuming and pausing; none at all: again
+                utility("resume_scheduler")
+                utility("pause_scheduler", "keep", False)
+                received = read_until(sock, b'"content":"', 3.0, received)
+                if b'"content":"' in received:
+                    break
+            else:
+                raise AssertionError(f"no token reached the client: {received[-500:]!r}")
+            # Whatever the engine made before the pause reaches the client; it is not the end.
+            received = read_until(sock, b'"finish_reason":"length"', 1.0, received)
+            assert b"finish_reason" not in received and in_flight() == 1, received[-500:]
+        finally:
+            reset(sock)
+        wait_for(lambda: in_flight() == 0, 10, "the gateway let the request go")
+        # ADD, ABORT and utility calls share one socket, in order: this resume comes after the abort.
+        utility("resume_scheduler")
+        assert utility("has_work") is False, "the engine still runs the request the client left"
+    finally:
+        utility("resume_scheduler")
+    assert app.engine_info().num_in_flight == 0
