@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from mmserve.openai.reasoning_parsers import REASONING_PARSERS
 from mmserve.openai.tool_parsers import TOOL_CALL_PARSERS
 
 BUILTIN = "builtin"
@@ -256,6 +257,16 @@ class AppConfig(BaseModel):
     tool_call_parser: str | None = None
     # tool_choice "auto" (the default with tools) allowed (vLLM's --enable-auto-tool-choice).
     enable_auto_tool_choice: bool = False
+    # How the model marks its reasoning (vLLM's --reasoning-parser): "deepseek_r1" (<think>…</think>, the
+    # Qwen3 and DeepSeek-R1 families), split into the answer's `reasoning`; None: all of it is content.
+    reasoning_parser: str | None = None
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning_parser {value!r}; this server has {sorted(REASONING_PARSERS)}")
+        return value
 
     @field_validator("tool_call_parser")
     @classmethod

@@ -39,6 +39,7 @@ def serving_settings(config: AppConfig) -> ServingSettings:
         api_key=config.api_key,
         routing=_same_fields(RoutingSettings, config.routing),
         tool_calls=ToolCallSettings(parser=config.tool_call_parser, enable_auto_tool_choice=config.enable_auto_tool_choice),
+        reasoning_parser=config.reasoning_parser,
     )
 
 

@@ -68,6 +68,8 @@ class PreparedRequest:
     limits: EngineLimits
     # The number of top logprobs each token shows (-1: all the engine sent); None when not asked for.
     top_logprobs: int | None = None
+    # `EngineCoreRequest.reasoning_ended` (chat with a reasoning parser, or `include_reasoning: false`).
+    reasoning_ended: bool | None = None
     # Preprocessing under way (its response is never resolved in the ingress), None for text only.
     images: PendingImages | None = None
     # Timings and counts for metrics and the request's log line.

@@ -132,7 +132,8 @@ class OutputProcessor:
         choice_logprobs = None if prepared.top_logprobs is None else ChoiceLogprobs(self.token_strings, prepared.top_logprobs)
         prompt_logprobs = None if prepared.sampling.prompt_logprobs is None else PromptLogprobsCollector(self.token_strings)
         engine_request = child_request(
-            prepared.request_id, prepared.prompt_token_ids, prepared.sampling, prepared.n, index, prepared.record.arrival_time
+            prepared.request_id, prepared.prompt_token_ids, prepared.sampling, prepared.n, index,
+            prepared.record.arrival_time, prepared.reasoning_ended,
         )
         engine_stream = self.engines.generate(engine_request, prepared.images)
         try:

@@ -20,9 +20,10 @@ T = TypeVar("T")
 
 
 def child_request(
-    request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, n: int, index: int, arrival_time: float
+    request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, n: int, index: int, arrival_time: float,
+    reasoning_ended: bool | None = None,
 ) -> EngineCoreRequest:
-    """The engine request of choice `index` out of `n`."""
+    """The engine request of choice `index` out of `n` (`reasoning_ended`: `output_parsing.reasoning_ended`)."""
     if n > 1:
         request_id = f"{index}_{request_id}"
         if sampling.seed is not None:
@@ -37,6 +38,7 @@ def child_request(
         lora_request=None,
         cache_salt=None,
         data_parallel_rank=None,
+        reasoning_ended=reasoning_ended,
     )
 
 

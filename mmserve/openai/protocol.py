@@ -187,10 +187,17 @@ class CompletionRequest(SamplingRequestFields):
 # ----------------------------------------------------------------------------- responses
 
 
+class CompletionTokenUsageInfo(BaseModel):
+    """vLLM's `CompletionTokenUsageInfo`: the usage's details when a reasoning parser is on."""
+
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokenUsageInfo | None = None
 
 
 class ResponseMessage(BaseModel):
@@ -198,6 +205,8 @@ class ResponseMessage(BaseModel):
     content: str | None = None
     # The calls a tool-call parser read in the answer.
     tool_calls: list[ToolCall] | None = None
+    # What a reasoning parser read as the model's reasoning (vLLM's field name).
+    reasoning: str | None = None
 
 
 class ChatCompletionLogProb(BaseModel):

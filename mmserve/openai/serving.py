@@ -16,6 +16,7 @@ from mmserve.vision import resize_path
 from .engine_router import EngineRouting
 from .input_processing import InputProcessor
 from .metrics import Metrics, RequestRecord
+from .output_parsing import reasoning_setup
 from .output_processing import OutputProcessor
 from .protocol import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelList
 from .serving_chat import ChatServing
@@ -32,7 +33,8 @@ class OpenAIServer:
         self.metrics = metrics
         self.inputs = InputProcessor(settings)
         self.outputs = OutputProcessor(self.inputs.tokenizer, router, metrics)
-        context = ServingContext(settings, router, self.inputs, self.outputs)
+        reasoning = reasoning_setup(settings.reasoning_parser, self.inputs.tokenizer)
+        context = ServingContext(settings, router, self.inputs, self.outputs, reasoning)
         self._chat = ChatServing(context)
         self._completions = CompletionServing(context)
         self._models = ModelsServing(context)

@@ -19,6 +19,7 @@ from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
+    CompletionTokenUsageInfo,
     DeltaMessage,
     FunctionCall,
     ResponseMessage,
@@ -27,9 +28,10 @@ from .protocol import (
 )
 from .serving_common import ServingContext, prompt_logprobs_response
 from .sse import event_stream, sse, started
+from .choice_output import ChoiceOutput
+from .output_parsing import OutputParsing, output_parsing, reasoning_ended
 from .stream_chunks import DeltaChunks
-from .tool_call_output import ChoiceToolCalls
-from .tool_calls import ToolCallPlan, engine_tool_constraints, tool_call_plan
+from .tool_calls import engine_tool_constraints, tool_call_plan
 
 
 class ChatServing:
@@ -43,6 +45,7 @@ class ChatServing:
         context.check_model(request.model)
         tool_choice = request_checks.check_chat_request(request, context.settings.tool_calls)
         tool_plan = tool_call_plan(request, tool_choice, context.settings.tool_calls)
+        parsing = output_parsing(request, tool_plan, context.reasoning)
         image_urls = context.inputs.take_image_urls(request)
         num_images = len(image_urls)
         limits = await context.engine_limits()
@@ -61,6 +64,7 @@ class ChatServing:
         if tool_plan is not None and (changed := engine_tool_constraints(request, tool_plan, prepared.sampling.structured_outputs)):
             prepared.skip_special_tokens = prepared.sampling.skip_special_tokens = changed[0]
             prepared.sampling.structured_outputs = changed[1]
+        prepared.reasoning_ended = reasoning_ended(request, context.reasoning, prepared.prompt_token_ids)
         prepared.attach(record, num_images=num_images)
         if image_urls:
             prepared.images = context.router.preprocess(
@@ -72,18 +76,21 @@ class ChatServing:
         # as the response.
         del image_urls
         if request.stream:
-            return await started(self._stream(request, prepared, tool_plan))
+            return await started(self._stream(request, prepared, parsing))
         with_ids = bool(request.return_token_ids)
+        reasoning_tokens = 0
 
         def choice(r: ChoiceResult) -> ChatCompletionChoice:
+            nonlocal reasoning_tokens
             message, finish_reason, metadata = ResponseMessage(content=r.text), r.finish_reason, True
-            if tool_plan is not None:
-                tools = ChoiceToolCalls(tool_plan)
-                answer = tools.whole(r.text, r.finish_reason)
-                message = ResponseMessage(content=answer.content, tool_calls=None if answer.tool_calls is None else [
+            if parsing is not None:
+                reader = ChoiceOutput(parsing, prepared.prompt_token_ids)
+                answer = reader.whole(r.text, r.finish_reason)
+                message = ResponseMessage(content=answer.content, reasoning=answer.reasoning, tool_calls=None if answer.tool_calls is None else [
                     ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments)) for call in answer.tool_calls
                 ])  # fmt: skip
-                finish_reason, metadata = answer.finish_reason, tools.shows_metadata
+                finish_reason, metadata = answer.finish_reason, reader.shows_metadata
+                reasoning_tokens += reader.reasoning_tokens(r.token_ids)
             return ChatCompletionChoice(
                 index=r.index, message=message, finish_reason=finish_reason,
                 stop_reason=r.stop_reason, token_ids=r.token_ids if with_ids and metadata else None,
@@ -92,16 +99,19 @@ class ChatServing:
                 ),
             )
 
-        return await context.outputs.full_response(
+        response = await context.outputs.full_response(
             prepared, ChatCompletionResponse, choice, model=context.model_name,
             extra=lambda results: {
                 "prompt_token_ids": prepared.prompt_token_ids if with_ids else None,
                 "prompt_logprobs": None if results[0].prompt_logprobs is None else prompt_logprobs_response(results[0].prompt_logprobs),
             },
         )
+        if context.reasoning is not None:  # vLLM counts them whenever a reasoning parser is on
+            response.usage.completion_tokens_details = CompletionTokenUsageInfo(reasoning_tokens=reasoning_tokens)
+        return response
 
     async def _stream(
-        self, request: ChatCompletionRequest, prepared: PreparedRequest, tool_plan: ToolCallPlan | None
+        self, request: ChatCompletionRequest, prepared: PreparedRequest, parsing: OutputParsing | None
     ) -> AsyncIterator[str | bytes]:
         with_ids = bool(request.return_token_ids)
         model = self.context.model_name
@@ -115,8 +125,8 @@ class ChatServing:
 
         chunks = DeltaChunks("chat.completion.chunk", prepared.request_id, prepared.created, model)
 
-        # With a tool-call parser, one reader per choice (it keeps state).
-        readers = None if tool_plan is None else [ChoiceToolCalls(tool_plan) for _ in range(prepared.n)]
+        # With a parser, one reader per choice (it keeps state).
+        readers = None if parsing is None else [ChoiceOutput(parsing, prepared.prompt_token_ids) for _ in range(prepared.n)]
 
         def delta_chunk(delta: ChoiceDelta) -> bytes | None:
             if readers is None:
@@ -131,18 +141,36 @@ class ChatServing:
             )
 
         deltas = self.context.outputs.deltas(prepared)
-        async for event in event_stream(
-            request, deltas, delta_chunk, lambda tokens: chunk([], usage_info=usage(prepared, tokens)), opening
-        ):
+        generated: list[list[int]] = [[] for _ in range(prepared.n)]
+        counts_reasoning = readers is not None and self.context.reasoning is not None
+        if counts_reasoning:  # every token, also of deltas no chunk is sent for
+            deltas = _recording_ids(deltas, generated)
+
+        def usage_chunk(tokens: int) -> str:
+            usage_info = usage(prepared, tokens)
+            if counts_reasoning:
+                assert readers is not None
+                usage_info.completion_tokens_details = CompletionTokenUsageInfo(
+                    reasoning_tokens=sum(reader.reasoning_tokens(ids) for reader, ids in zip(readers, generated))
+                )
+            return chunk([], usage_info=usage_info)
+
+        async for event in event_stream(request, deltas, delta_chunk, usage_chunk, opening):
             yield event
 
 
-def _parsed_chunk(chunks: DeltaChunks, tools: ChoiceToolCalls, delta: ChoiceDelta, with_ids: bool) -> bytes | None:
-    """A delta read by the choice's tool-call parser as a chunk, or None where vLLM sends none: the
-    parser has nothing yet and the delta neither finishes the choice nor carries shown logprobs or ids."""
-    message = tools.delta(delta.text, finished=delta.finish_reason is not None)
-    metadata = tools.shows_metadata
+async def _recording_ids(deltas: AsyncIterator[ChoiceDelta], generated: list[list[int]]) -> AsyncIterator[ChoiceDelta]:
+    async for delta in deltas:
+        generated[delta.index].extend(delta.token_ids)
+        yield delta
+
+
+def _parsed_chunk(chunks: DeltaChunks, reader: ChoiceOutput, delta: ChoiceDelta, with_ids: bool) -> bytes | None:
+    """A delta read by the choice's parsers as a chunk, or None where vLLM sends none: the parsers have
+    nothing yet and the delta neither finishes the choice nor carries shown logprobs or ids."""
+    message = reader.delta(delta.text, delta.token_ids, finished=delta.finish_reason is not None)
+    metadata = reader.shows_metadata
     if message is None and delta.finish_reason is None and not (metadata and (delta.logprobs or (with_ids and delta.token_ids))):
         return None
-    finish_reason = None if delta.finish_reason is None else tools.stream_finish_reason(delta.finish_reason)
+    finish_reason = None if delta.finish_reason is None else reader.stream_finish_reason(delta.finish_reason)
     return chunks.chat_parsed(delta, message, finish_reason, with_ids, metadata)

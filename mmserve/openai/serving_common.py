@@ -8,6 +8,7 @@ from .engine_router import EngineLimits, EngineRouting
 from .errors import OpenAIError, openai_error
 from .input_processing import InputProcessor
 from .logprobs import PromptLogprobs
+from .output_parsing import ReasoningSetup
 from .output_processing import OutputProcessor
 from .protocol import PromptLogprob
 from .protocol import PromptLogprobs as PromptLogprobsBody
@@ -20,6 +21,8 @@ class ServingContext:
     router: EngineRouting
     inputs: InputProcessor
     outputs: OutputProcessor
+    # The model's reasoning parser, its tags found in the tokenizer (None: not configured).
+    reasoning: ReasoningSetup | None
 
     @property
     def model_name(self) -> str:

@@ -71,5 +71,7 @@ class ServingSettings:
     engine_wait_timeout_s: float
     routing: RoutingSettings
     tool_calls: ToolCallSettings
+    # vLLM's --reasoning-parser: a name in `reasoning_parsers.REASONING_PARSERS`; None: no reasoning split.
+    reasoning_parser: str | None
     # None: no authentication (the ingress also reads MMSERVE_API_KEY).
     api_key: str | None

@@ -14,7 +14,7 @@ import msgspec
 
 from .logprobs import ChatLogprobs, CompletionLogprobs
 from .output_processing import ChoiceDelta
-from .tool_parsers import DeltaToolCall, ParsedDelta
+from .message_delta import MessageDelta
 
 _encode = msgspec.json.Encoder().encode
 
@@ -25,23 +25,11 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str
 
 
-class ToolCallsDelta(msgspec.Struct, omit_defaults=True):
-    """`DeltaMessage` as a tool-call parser makes it: `content` shown even when null, `tool_calls` when
-    there are any."""
-
-    content: str | None
-    tool_calls: list[DeltaToolCall] = msgspec.field(default_factory=list)
-
-
-class EmptyDelta(msgspec.Struct):
-    """`DeltaMessage()`: a choice's last chunk when the parser had nothing to add."""
-
-
 class ChatStreamChoice(msgspec.Struct, omit_defaults=True):
     """`ChatCompletionStreamChoice`."""
 
     index: int
-    delta: ChatDelta | ToolCallsDelta | EmptyDelta
+    delta: ChatDelta | MessageDelta
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: ChatLogprobs | None = None
@@ -58,15 +46,6 @@ class CompletionStreamChoice(msgspec.Struct, omit_defaults=True):
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
-
-
-def parsed_delta(message: ParsedDelta | str | None) -> ChatDelta | ToolCallsDelta | EmptyDelta:
-    """A chunk's `delta` for what a tool-call parser made of it (`ChoiceToolCalls.delta`)."""
-    if message is None:
-        return EmptyDelta()
-    if isinstance(message, str):
-        return ChatDelta(message)
-    return ToolCallsDelta(message.content, message.tool_calls)
 
 
 class DeltaChunks:
@@ -88,11 +67,11 @@ class DeltaChunks:
         ))
 
     def chat_parsed(
-        self, delta: ChoiceDelta, message: ParsedDelta | str | None, finish_reason: str | None, with_ids: bool, metadata: bool
+        self, delta: ChoiceDelta, message: MessageDelta | None, finish_reason: str | None, with_ids: bool, metadata: bool
     ) -> bytes:
-        """A chunk of a stream read by a tool-call parser: its `message` (`ChoiceToolCalls.delta`), the
-        finish reason it decided; no logprobs or token ids unless `metadata`."""
-        shown = parsed_delta(message)
+        """A chunk of a stream read by the model's parsers: its `message` (`ChoiceOutput.delta`; None:
+        `DeltaMessage()`), the finish reason they decided; no logprobs or token ids unless `metadata`."""
+        shown = MessageDelta() if message is None else message
         logprobs = None if delta.logprobs is None or not metadata else ChatLogprobs(delta.logprobs)
         return self._event(ChatStreamChoice(
             delta.index, shown, finish_reason, delta.stop_reason, logprobs, delta.token_ids if with_ids and metadata else None,

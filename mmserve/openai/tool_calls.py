@@ -45,13 +45,12 @@ ToolChoiceMode = Literal["none", "null", "auto", "required", "named"]
 
 @dataclass(frozen=True)
 class ToolCallPlan:
-    """How one chat request's answer is parsed for tool calls (`tool_call_output.py`)."""
+    """How one chat request's answer is parsed for tool calls (`choice_output.py`)."""
 
     parser: type[ToolCallParser]
     enable_auto_tool_choice: bool
     mode: ToolChoiceMode
     parallel_tool_calls: bool | None
-    include_reasoning: bool
 
 
 def check_tools(request: ChatCompletionRequest, config: ToolCallSettings) -> ToolChoiceMode:
@@ -138,10 +137,7 @@ def tool_call_plan(request: ChatCompletionRequest, mode: ToolChoiceMode, config:
     """How the answer is parsed: None without a parser (plain content)."""
     if config.parser is None:
         return None
-    return ToolCallPlan(
-        TOOL_CALL_PARSERS[config.parser], config.enable_auto_tool_choice, mode, request.parallel_tool_calls,
-        request.include_reasoning,
-    )  # fmt: skip
+    return ToolCallPlan(TOOL_CALL_PARSERS[config.parser], config.enable_auto_tool_choice, mode, request.parallel_tool_calls)
 
 
 def engine_tool_constraints(

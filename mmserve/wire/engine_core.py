@@ -47,7 +47,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     """Mirrors `vllm.v1.engine.EngineCoreRequest` (array-like; the first nine are required).
 
     Trailing fields after `data_parallel_rank` keep vLLM's order; only the ones we may set
-    are spelled out, everything after `client_index` is left to the engine's defaults.
+    are spelled out (with those before them), everything after `reasoning_ended` is left to the
+    engine's defaults.
     """
 
     request_id: str
@@ -62,6 +63,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     prompt_embeds: None = None
     prompt_is_token_ids: None = None
     client_index: int = 0
+    current_wave: int = 0
+    priority: int = 0
+    trace_headers: None = None
+    resumable: bool = False
+    external_req_id: None = None
+    # Where an engine with a reasoning parser starts applying structured outputs: True from the first
+    # token, False after the reasoning ends, None: the engine reads the prompt (vLLM's default).
+    reasoning_ended: bool | None = None
 
 
 class EngineCoreEvent(msgspec.Struct):

@@ -66,7 +66,7 @@ def test_a_chat_response_is_built_once_with_usage_and_choices():
     assert [c.message.content for c in response.choices] == [" hello world"] * 2
     assert [c.finish_reason for c in response.choices] == ["length"] * 2
     prompt_len = len(router.requests[0].prompt_token_ids)
-    assert response.usage.model_dump() == {
+    assert response.usage.model_dump(exclude_none=True) == {
         "prompt_tokens": prompt_len, "completion_tokens": 2 * len(router.tokens), "total_tokens": prompt_len + 2 * len(router.tokens),
     }
     assert sorted(r.sampling_params.seed for r in router.requests) == [4, 5]
@@ -174,3 +174,45 @@ def test_logprobs_are_refused_on_the_built_in_engine_and_checked_against_max_log
     with pytest.raises(OpenAIError, match="Requested prompt logprobs of 1000, which is greater than max allowed: 5"):
         request_checks.prompt_logprobs(prompt_request, 5, 1000, "vllm")
     assert request_checks.prompt_logprobs(prompt_request, -1, 1000, "vllm") == -1
+
+
+def _reasoning_server(router: ScriptedRouter, tmp_path) -> OpenAIServer:
+    from tests.support.tiny_models import write_think_tokenizer_files
+
+    model_dir = write_think_tokenizer_files(tmp_path / "model")
+    config = AppConfig.model_validate({"model": str(model_dir), "served_model_name": "m", "reasoning_parser": "deepseek_r1"})
+    return OpenAIServer(serving_settings(config), router)
+
+
+def test_with_a_reasoning_parser_the_answer_is_split_into_reasoning_and_content(tmp_path):
+    router = ScriptedRouter([])
+    server = _reasoning_server(router, tmp_path)
+    router.tokens = _tokens(server, "<think>Two and two.</think>Four.")
+    chat = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 32}
+    response = asyncio.run(server.chat(ChatCompletionRequest.model_validate(chat)))
+    message = response.choices[0].message
+    assert (message.reasoning, message.content) == ("Two and two.", "Four.")
+    reasoning_tokens = len(_tokens(server, "Two and two."))
+    assert response.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+    assert router.requests[-1].reasoning_ended is False  # the prompt leaves no think tags closed
+
+    hidden = asyncio.run(server.chat(ChatCompletionRequest.model_validate({**chat, "include_reasoning": False})))
+    assert (hidden.choices[0].message.reasoning, hidden.choices[0].message.content) == (None, "Four.")
+    assert router.requests[-1].reasoning_ended is True
+
+    streamed = ChatCompletionRequest.model_validate({**chat, "stream": True, "stream_options": {"include_usage": True}})
+
+    async def run():
+        return await _events(await server.chat(streamed))
+
+    events = asyncio.run(run())
+    assert events[-1] == DONE
+    deltas = [json.loads(e.removeprefix("data: "))["choices"][0]["delta"] for e in events[1:-2]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == "Two and two."
+    assert "".join(d.get("content") or "" for d in deltas) == "Four."
+    assert json.loads(events[-2].removeprefix("data: "))["usage"]["completion_tokens_details"] == {"reasoning_tokens": reasoning_tokens}
+
+
+def test_a_reasoning_parser_whose_tags_the_tokenizer_lacks_stops_the_server_at_start():
+    with pytest.raises(ValueError, match="needs <think> and </think> as tokens"):
+        OpenAIServer(serving_settings(AppConfig.model_validate({"reasoning_parser": "deepseek_r1"})), ScriptedRouter([]))

@@ -22,9 +22,9 @@ from mmserve.openai.errors import OpenAIError
 from mmserve.openai.protocol import ChatCompletionRequest
 from mmserve.openai.settings import ToolCallSettings
 from mmserve.openai.structured_outputs import structured_outputs
-from mmserve.openai.tool_call_output import ChoiceToolCalls
+from mmserve.openai.choice_output import ChoiceOutput
+from mmserve.openai.output_parsing import output_parsing
 from mmserve.openai.tool_calls import check_tools, engine_tool_constraints, tool_call_plan
-from mmserve.openai.stream_chunks import parsed_delta
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "mmserve" / "builtin_engine" / "model"
 WEATHER = {
@@ -152,7 +152,7 @@ def test_whole_answers_equal_vllm_parse(vllm_parser, output, choice, enable_auto
     parser, vllm_request = vllm_parser(body)
     _, vllm_content, vllm_calls = parser.parse(text, vllm_request, enable_auto_tools=enable_auto)
     _, plan = _ours(body, enable_auto)
-    calls, content = ChoiceToolCalls(plan)._parsed(text)
+    calls, content = _reader(plan).tool_calls_of(text)
     assert content == vllm_content
     if vllm_calls is None:
         assert calls is None
@@ -175,7 +175,15 @@ def _vllm_delta(message) -> dict | None:
 
 
 def _our_delta(message) -> dict | None:
-    return None if message is None else _without_ids(msgspec.json.decode(msgspec.json.encode(parsed_delta(message))))
+    return None if message is None else _without_ids(msgspec.json.decode(msgspec.json.encode(message)))
+
+
+def _reader(plan) -> ChoiceOutput:
+    """One choice's reader with the tool-call parser alone (no reasoning parser)."""
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    parsing = output_parsing(request, plan, None)
+    assert parsing is not None
+    return ChoiceOutput(parsing, [1])
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["parallel", "single"])
@@ -189,11 +197,11 @@ def test_streamed_deltas_equal_vllm_parse_delta(vllm_parser, output, piece, choi
     body = _body(_tools("unset"), CHOICES[choice], False if single else ...)
     parser, vllm_request = vllm_parser(body)
     _, plan = _ours(body)
-    ours = ChoiceToolCalls(plan)
+    ours = _reader(plan)
     cuts = [text[i : i + piece] for i in range(0, len(text), piece)] or [""]
     for i, delta_text in enumerate(cuts):
         finished = i == len(cuts) - 1
         theirs = parser.parse_delta(delta_text, [], vllm_request, prompt_token_ids=[1], finished=finished)
         if theirs is not None:
             theirs = maybe_filter_parallel_tool_calls(theirs, vllm_request)
-        assert _our_delta(ours.delta(delta_text, finished)) == _vllm_delta(theirs), (i, delta_text)
+        assert _our_delta(ours.delta(delta_text, [], finished)) == _vllm_delta(theirs), (i, delta_text)

@@ -75,3 +75,13 @@ def test_tool_call_settings_reach_the_ingress_and_unusable_ones_are_refused():
         AppConfig.model_validate({"tool_call_parser": "qwen"})
     with pytest.raises(pydantic.ValidationError, match="enable_auto_tool_choice needs tool_call_parser"):
         AppConfig.model_validate({"enable_auto_tool_choice": True})
+
+
+def test_the_reasoning_parser_reaches_the_ingress_and_an_unknown_one_is_refused():
+    import pydantic
+    import pytest
+
+    assert serving_settings(AppConfig()).reasoning_parser is None
+    assert serving_settings(AppConfig.model_validate({"reasoning_parser": "deepseek_r1"})).reasoning_parser == "deepseek_r1"
+    with pytest.raises(pydantic.ValidationError, match="unknown reasoning_parser 'qwen3'; this server has \\['deepseek_r1'\\]"):
+        AppConfig.model_validate({"reasoning_parser": "qwen3"})

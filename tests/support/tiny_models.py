@@ -29,6 +29,30 @@ BUILTIN_MODEL_DIR = REPO / "mmserve" / "builtin_engine" / "model"
 WEIGHT_STD = 0.2
 
 
+THINK_TOKENS = ("<think>", "</think>")
+
+
+def write_think_tokenizer_files(dest: Path) -> Path:
+    """The built-in model's files, its tokenizer with `<think>` and `</think>` added as Qwen3 adds them
+    (plain added tokens, not special, after the last added token): for the reasoning parser's tests."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in BUILTIN_MODEL_DIR.iterdir():
+        if path.is_file():
+            shutil.copyfile(path, dest / path.name)
+    tokenizer = json.loads((dest / "tokenizer.json").read_text())
+    config = json.loads((dest / "tokenizer_config.json").read_text())
+    next_id = max(t["id"] for t in tokenizer["added_tokens"]) + 1
+    for offset, content in enumerate(THINK_TOKENS):
+        token = {"id": next_id + offset, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+                 "normalized": False, "special": False}  # fmt: skip
+        tokenizer["added_tokens"].append(token)
+        config["added_tokens_decoder"][str(token["id"])] = {k: v for k, v in token.items() if k != "id"}
+    (dest / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (dest / "tokenizer_config.json").write_text(json.dumps(config))
+    return dest
+
+
 def _redraw_(model, seed: int) -> None:
     """Re-draw every parameter in place, in name order, from one seeded generator."""
     import torch

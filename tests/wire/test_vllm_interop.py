@@ -79,6 +79,7 @@ CHAT_BODIES = [
     {"messages": CHAT, "response_format": {"type": "json_object"}},
     {"messages": CHAT, "structured_outputs": {"regex": "[a-z]+"}},
     {"messages": CHAT, "skip_special_tokens": False, "spaces_between_special_tokens": False},
+    {"messages": CHAT, "include_reasoning": False},  # reasoning_ended: True, after fields left at their defaults
     {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": _png_uri(300, 200)}},
         {"type": "image_url", "image_url": {"url": _png_uri(84, 56)}}]}], "max_tokens": 5},
@@ -109,6 +110,7 @@ def _tensor_to_numpy(tensor) -> np.ndarray:
 def test_every_request_decodes_with_vllms_decoder_to_the_same_values(captured):
     encoder = RequestEncoder()
     decoder = serial.MsgpackDecoder(vllm_engine.EngineCoreRequest)
+    assert {ours.reasoning_ended for ours in captured} == {None, True}
     for ours in captured:
         frames = encoder.encode_add(ours)
         assert frames[0] == b"\x00"
@@ -117,6 +119,8 @@ def test_every_request_decodes_with_vllms_decoder_to_the_same_values(captured):
         assert theirs.prompt_token_ids == ours.prompt_token_ids
         assert theirs.arrival_time == ours.arrival_time
         assert theirs.data_parallel_rank is None and theirs.pooling_params is None and theirs.lora_request is None
+        assert (theirs.client_index, theirs.current_wave, theirs.priority, theirs.resumable) == (ours.client_index, 0, 0, False)
+        assert theirs.reasoning_ended == ours.reasoning_ended and theirs.external_req_id is None
         sp, mine = theirs.sampling_params, ours.sampling_params
         for field in msgspec.structs.fields(mine):
             value = getattr(mine, field.name)
