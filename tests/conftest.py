@@ -41,6 +41,7 @@ REFERENCE_TESTS: dict[str, str | set[str]] = {
     "tests/text/test_stop_strings.py": "*",
     "tests/text/test_tokenizer_classes.py": "*",
     "tests/text/test_tool_templates.py": "*",
+    "tests/text/test_template_kwargs.py": "*",
     "tests/text/test_chat_template.py": {"test_content_format_detection_matches_vllm", "test_content_format_detection_variants"},
     "tests/openai/test_vllm_request_fields.py": {
         "test_tables_cover_vllm_request_models", "test_openai_fields_vllm_ignores_are_ignored_here_and_listed_in_readme"

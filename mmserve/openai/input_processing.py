@@ -151,6 +151,7 @@ class InputProcessor:
         # Tools and the history's tool-call arguments are prompt text too.
         chars = sum(text_chars(m.content) + sum(len(c.function.arguments) for c in m.tool_calls or ()) for m in request.messages)
         chars += len(json.dumps(tools)) if tools else 0
+        chars += len(json.dumps(request.chat_template_kwargs)) if request.chat_template_kwargs else 0  # may be rendered
         self.check_prompt_chars(chars, limits, "messages")
         messages = [_conversation_message(m) for m in request.messages]
 
@@ -160,7 +161,9 @@ class InputProcessor:
                     messages,
                     add_generation_prompt=request.add_generation_prompt,
                     continue_final_message=request.continue_final_message,
+                    reasoning_effort=request.reasoning_effort,
                     tools=tools,
+                    template_kwargs=request.chat_template_kwargs,
                 )
             except (ValueError, TemplateError) as exc:
                 raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None

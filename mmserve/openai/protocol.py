@@ -13,7 +13,7 @@ in `request_checks.py` and `structured_outputs.py`.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -172,9 +172,13 @@ class ChatCompletionRequest(SamplingRequestFields):
     tool_choice: str | dict | None = None
     # False: at most one call (the engine stops after it, the answer keeps the first).
     parallel_tool_calls: bool | None = True
-    # False, with a tool-call parser configured: no logprobs or token ids shown (vLLM hides them so that
-    # reasoning tokens do not leak; kept for its answers' sake).
+    # False: no reasoning in the answer and, with a parser configured, no logprobs or token ids shown
+    # (vLLM hides them so that reasoning tokens do not leak).
     include_reasoning: bool = True
+    # For the chat template: its own variables (Qwen3's `enable_thinking`, ...), and the effort a
+    # reasoning template reads (`enable_thinking` too, unless given), merged as vLLM merges them.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class CompletionRequest(SamplingRequestFields):

@@ -49,12 +49,10 @@ NOT_IMPLEMENTED_VLLM_FIELDS: dict[str, object] = {
 }
 NOT_IMPLEMENTED_CHAT_FIELDS: dict[str, object] = {
     **NOT_IMPLEMENTED_VLLM_FIELDS,
-    "reasoning_effort": None,
     "echo": False,
     "add_special_tokens": False,
     "documents": None,
     "chat_template": None,
-    "chat_template_kwargs": None,
     "media_io_kwargs": None,
     "mm_processor_kwargs": None,
     "return_prompt_text": None,
@@ -99,7 +97,26 @@ def check_chat_request(request: ChatCompletionRequest, tool_calls: ToolCallSetti
         raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
     if request.max_completion_tokens is not None and request.max_tokens is not None and request.max_completion_tokens != request.max_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree; send one of them", "max_completion_tokens")
+    _check_chat_template_kwargs(request.chat_template_kwargs)
     return tool_choice
+
+
+# In `chat_template_kwargs`: what vLLM refuses, in its words, and what it would hand to the template
+# renderer beside the request's own (documents, tools), which this server does not.
+_TEMPLATE_KWARGS_VLLM_REFUSES = ("chat_template", "tokenize")
+_TEMPLATE_KWARGS_NOT_SUPPORTED = ("documents", "tools", "messages", "conversation")
+
+
+def _check_chat_template_kwargs(kwargs: dict | None) -> None:
+    if not kwargs:
+        return
+    if unexpected := {name for name in _TEMPLATE_KWARGS_VLLM_REFUSES if name in kwargs}:
+        raise bad_request(f"Found unexpected chat template kwargs from request: {unexpected}", "chat_template_kwargs")
+    if given := [name for name in _TEMPLATE_KWARGS_NOT_SUPPORTED if name in kwargs]:
+        raise bad_request(
+            f"chat_template_kwargs {given} are not supported by this server (tools go in the request's `tools`)",
+            "chat_template_kwargs",
+        )
 
 
 def chat_logprobs(request: ChatCompletionRequest, max_logprobs: int, vocab_size: int, engine_kind: str) -> int | None:

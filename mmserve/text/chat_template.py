@@ -94,12 +94,12 @@ class ChatTemplate:
         if not self._supports_developer and any(m["role"] == "developer" for m in conversation):
             conversation = developer_to_system(conversation)
 
-        # vLLM always offers reasoning_effort (and enable_thinking when effort is
-        # given) but keeps extra kwargs only if the template declares them.
-        extra: dict[str, Any] = {"reasoning_effort": reasoning_effort}
+        # vLLM's `build_chat_params`: the request's template kwargs, then its reasoning effort where given
+        # (with enable_thinking unless the kwargs set it); kept only if the template declares them.
+        extra: dict[str, Any] = dict(template_kwargs or {})
         if reasoning_effort is not None:
-            extra["enable_thinking"] = reasoning_effort != "none"
-        extra.update(template_kwargs or {})
+            extra["reasoning_effort"] = reasoning_effort
+            extra.setdefault("enable_thinking", reasoning_effort != "none")
         variables = {
             **self.special_tokens,
             **{k: v for k, v in extra.items() if k in self._variables and k not in _RESERVED_KWARGS},
