@@ -151,6 +151,23 @@ def test_text_completion_matches_vllm_token_prompt(vllm_app, vllm_serve_referenc
     assert r.choices[0].text == ref.outputs[0].text
 
 
+def test_chat_template_kwargs_and_reasoning_effort_render_as_vllm_serve(vllm_app, vllm_serve_reference):
+    """Qwen2-VL's template declares `add_vision_id` ("Picture 1: ..." before each image), not
+    `reasoning_effort` or `enable_thinking`: the prompt ids and the greedy answer equal vllm serve's."""
+    from tests.support.images import image_part, image_uri
+
+    messages = [{"role": "user", "content": [
+        image_part(image_uri(120, 90, 7)), image_part(image_uri(90, 120, 8)), {"type": "text", "text": "Compare them."},
+    ]}]  # fmt: skip
+    kwargs = {"chat_template_kwargs": {"add_vision_id": True, "not_in_the_template": 1}, "reasoning_effort": "high"}
+    ref = vllm_serve_reference.answers([{"messages": messages, "sampling": GREEDY, "chat_kwargs": kwargs}])[0]
+    plain = vllm_serve_reference.answers([{"messages": messages, "sampling": GREEDY}])[0]
+    assert ref.prompt_token_ids != plain.prompt_token_ids  # the kwarg changed the prompt
+    ours = _chat(vllm_app, messages, extra_body=kwargs, **GREEDY)
+    assert ours.model_extra["prompt_token_ids"] == ref.prompt_token_ids
+    assert ours.choices[0].model_extra["token_ids"] == ref.outputs[0].token_ids
+
+
 def test_bad_requests_leave_the_engine_serving(vllm_app, greedy_reference):
     import httpx
 
