@@ -218,6 +218,7 @@ MODEL_FIXTURES = {
     "tiny_qwen2_5_vl_dir": "tiny-qwen2_5_vl",
     "tiny_qwen3_vl_dir": "tiny-qwen3_vl",
     "tiny_llava_dir": "tiny-llava",
+    "tiny_thinking_dir": "tiny-thinking-qwen2-vl",
 }
 
 
@@ -305,6 +306,11 @@ def tiny_qwen3_vl_dir(session_vllm) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llava_dir(session_vllm) -> Path:
     return session_vllm.model_dir(MODEL_FIXTURES["tiny_llava_dir"])
+
+
+@pytest.fixture(scope="session")
+def tiny_thinking_dir(session_vllm) -> Path:
+    return session_vllm.model_dir(MODEL_FIXTURES["tiny_thinking_dir"])
 
 
 @dataclass

@@ -140,6 +140,32 @@ def _build_tiny_qwen2_vl_here(dest: str, seed: int) -> None:  # in the reference
     _save_weights(model, dest)
 
 
+def _build_tiny_thinking_qwen2_vl_here(dest: str, seed: int) -> None:  # in the reference venv
+    """The tiny Qwen2-VL with `<think>` and `</think>` as tokens of its vocabulary (two more rows) and a
+    thinking model's generation prompt (`<|im_start|>assistant\n<think>\n`, as Qwen3's thinking templates
+    end it): the model writes reasoning first, for the reasoning parser's end-to-end test."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    dest = write_think_tokenizer_files(Path(dest))
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        data = json.loads((dest / name).read_text())
+        template = data["chat_template"]
+        opening = "<|im_start|>assistant\n"
+        assert template.count(opening) == 1, "the generation prompt is written once"
+        data["chat_template"] = template.replace(opening, opening + "<think>\n")
+        (dest / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    config = json.loads((dest / "config.json").read_text())
+    config["vocab_size"] = config["vocab_size"] + len(THINK_TOKENS)
+    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    config = Qwen2VLConfig.from_pretrained(dest)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    _redraw_(model, seed)
+    model = model.to(torch.bfloat16)
+    _save_weights(model, dest)
+
+
 def _qwen2_5_vl_config() -> dict:
     """A tiny Qwen2.5-VL in Qwen/Qwen2.5-VL-3B-Instruct's config.json layout (flat text keys): the
     built-in model's text decoder and token ids, and a 2-block windowed vision tower (block 1 with
@@ -520,6 +546,7 @@ TINY_MODELS = {
     "tiny-qwen2_5_vl": "_build_tiny_qwen2_5_vl_here",
     "tiny-qwen3_vl": "_build_tiny_qwen3_vl_here",
     "tiny-llava": "_build_tiny_llava_here",
+    "tiny-thinking-qwen2-vl": "_build_tiny_thinking_qwen2_vl_here",
 }
 
 
