@@ -26,6 +26,7 @@ from mmserve.openai.protocol import ChatCompletionRequest
 from mmserve.openai.settings import ToolCallSettings
 from mmserve.openai.tool_calls import check_tools, tool_call_plan
 from mmserve.text import Tokenizer
+from tests.support.deltas import without_tool_call_ids as _without_ids
 from tests.support.tiny_models import THINK_TOKENS, write_think_tokenizer_files
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "mmserve" / "builtin_engine" / "model"
@@ -143,14 +144,6 @@ def test_whole_answers_equal_vllm_parse(hf_tokenizer, our_reasoning, output, set
     our_calls = [(c.name, c.arguments) for c in answer.tool_calls or []]
     assert our_calls == [(c.name, c.arguments) for c in calls or []]
     assert ours.reasoning_tokens(ids) == parser.count_reasoning_tokens(ids)
-
-
-def _without_ids(shown: dict) -> dict:
-    for call in shown.get("tool_calls", ()):
-        if "id" in call:
-            assert call["id"].startswith("chatcmpl-tool-")
-            call["id"] = "ID"
-    return shown
 
 
 @pytest.mark.parametrize("include_reasoning", [True, False], ids=["shown", "hidden"])

@@ -25,6 +25,7 @@ from mmserve.openai.structured_outputs import structured_outputs
 from mmserve.openai.choice_output import ChoiceOutput
 from mmserve.openai.output_parsing import output_parsing
 from mmserve.openai.tool_calls import check_tools, engine_tool_constraints, tool_call_plan
+from tests.support.deltas import without_tool_call_ids as _without_ids
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "mmserve" / "builtin_engine" / "model"
 WEATHER = {
@@ -159,14 +160,6 @@ def test_whole_answers_equal_vllm_parse(vllm_parser, output, choice, enable_auto
     else:
         assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in vllm_calls]
         assert all(c.id.startswith("chatcmpl-tool-") for c in calls)
-
-
-def _without_ids(shown: dict) -> dict:
-    for call in shown.get("tool_calls", ()):
-        if "id" in call:
-            assert call["id"].startswith("chatcmpl-tool-")
-            call["id"] = "ID"
-    return shown
 
 
 def _vllm_delta(message) -> dict | None:

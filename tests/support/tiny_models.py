@@ -122,16 +122,11 @@ def build_tiny_qwen2_vl(dest: Path, seed: int = 0) -> Path:
     return Path(dest)
 
 
-def _build_tiny_qwen2_vl_here(dest: str, seed: int) -> None:  # in the reference venv
+def _save_random_qwen2_vl(dest: Path, seed: int) -> None:  # in the reference venv
+    """Random bf16 weights for the Qwen2-VL whose config is in `dest`."""
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in sorted(BUILTIN_MODEL_DIR.iterdir()):
-        if f.is_file():
-            shutil.copyfile(f, dest / f.name)
-    _add_tools_to_template(dest)
     config = Qwen2VLConfig.from_pretrained(dest)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
@@ -140,13 +135,20 @@ def _build_tiny_qwen2_vl_here(dest: str, seed: int) -> None:  # in the reference
     _save_weights(model, dest)
 
 
+def _build_tiny_qwen2_vl_here(dest: str, seed: int) -> None:  # in the reference venv
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(BUILTIN_MODEL_DIR.iterdir()):
+        if f.is_file():
+            shutil.copyfile(f, dest / f.name)
+    _add_tools_to_template(dest)
+    _save_random_qwen2_vl(dest, seed)
+
+
 def _build_tiny_thinking_qwen2_vl_here(dest: str, seed: int) -> None:  # in the reference venv
     """The tiny Qwen2-VL with `<think>` and `</think>` as tokens of its vocabulary (two more rows) and a
     thinking model's generation prompt (`<|im_start|>assistant\n<think>\n`, as Qwen3's thinking templates
     end it): the model writes reasoning first, for the reasoning parser's end-to-end test."""
-    import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
     dest = write_think_tokenizer_files(Path(dest))
     for name in ("chat_template.json", "tokenizer_config.json"):
         data = json.loads((dest / name).read_text())
@@ -158,12 +160,7 @@ def _build_tiny_thinking_qwen2_vl_here(dest: str, seed: int) -> None:  # in the 
     config = json.loads((dest / "config.json").read_text())
     config["vocab_size"] = config["vocab_size"] + len(THINK_TOKENS)
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    config = Qwen2VLConfig.from_pretrained(dest)
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
-    _redraw_(model, seed)
-    model = model.to(torch.bfloat16)
-    _save_weights(model, dest)
+    _save_random_qwen2_vl(dest, seed)
 
 
 def _qwen2_5_vl_config() -> dict:
