@@ -193,42 +193,68 @@ def test_client_disconnect_leaves_no_running_request(vllm_app):
     """A client that leaves mid-stream: the engine runs its request no more.
 
     The engine is held still with vLLM's own `pause_scheduler("keep")` (nothing is scheduled until
-    `resume_scheduler`; inputs, aborts and utility calls are still handled), so that "mid-stream"
-    does not depend on the gateway outrunning the engine: the request is let run for the time of
-    two utility calls, paused with its first tokens sent and most of its 900 still to make, and the
-    client leaves then. After the gateway has sent its ABORT, the engine is resumed: with the abort
-    honoured it has nothing to run; without it, it would go on generating the request."""
+    `resume_scheduler`; inputs, aborts and utility calls are still handled), so that "mid-stream" does
+    not depend on the gateway outrunning the engine: the request waits in the paused engine, then a
+    resume and a pause are sent together (the engine makes at most a few steps between them) until its
+    first tokens reach the client, the stream is seen to stand still (the engine is paused with most of
+    the 900 tokens unmade), and the client leaves then. After the gateway has sent its ABORT the engine
+    is resumed: with the abort honoured it has nothing to run; without it, it would go on generating.
+    (Racing the engine instead lost in CI: calls from the test process can take longer there than the
+    tiny model needs for all 900 tokens.)"""
     body = {"model": vllm_app.model_name, "messages": CHATS[0], "max_tokens": 900, "ignore_eos": True, "stream": True}
     app = vllm_app.app
     handle = app.engine_handle(0)
+    token, finished = b'"content":"', b'"finish_reason":"length"'
 
     def utility(method: str, *args):
         return handle.call_utility.remote(method, *args).result(timeout_s=30)
 
-    def in_flight() -> int:
-        return handle.info.remote().result(timeout_s=30).num_in_flight
+    def info():
+        return handle.info.remote().result(timeout_s=30)
 
-    utility("pause_scheduler", "keep", False)
+    def run_a_few_steps() -> None:
+        # Sent together (one caller's calls reach the replica, and the engine, in order): the
+        # engine handles both between two steps, or makes a few steps in between.
+        resumed, paused = handle.call_utility.remote("resume_scheduler"), handle.call_utility.remote("pause_scheduler", "keep", False)
+        resumed.result(timeout_s=30), paused.result(timeout_s=30)
+
+    def paused_mid_stream(sock) -> bool:
+        """Run the paused request until the client has tokens and the stream stands still; False if it
+        finished first (the pair of calls came apart and the engine ran on)."""
+        received = b""
+        for _ in range(50):
+            run_a_few_steps()
+            received = read_until(sock, token, 2.0, received)
+            if token in received:
+                break
+        else:
+            raise AssertionError(f"no token reached the client: {received[-500:]!r}")
+        for _ in range(5):  # still for a second: the engine is paused (else pause it again)
+            before = len(received)
+            received = read_until(sock, finished, 1.0, received)
+            if finished in received:
+                return False
+            if len(received) == before:
+                return True
+            utility("pause_scheduler", "keep", False)
+        raise AssertionError("the stream never stood still: the engine was not paused")
+
     try:
-        sent = handle.info.remote().result(timeout_s=30).requests_sent
-        sock = send_chat(app.base_url, body)
-        try:
-            wait_for(lambda: handle.info.remote().result(timeout_s=30).requests_sent == sent + 1, 30, "ADD sent")
-            received = b""
-            for _ in range(20):  # a few steps between resuming and pausing; none at all: again
-                utility("resume_scheduler")
-                utility("pause_scheduler", "keep", False)
-                received = read_until(sock, b'"content":"', 3.0, received)
-                if b'"content":"' in received:
-                    break
-            else:
-                raise AssertionError(f"no token reached the client: {received[-500:]!r}")
-            # Whatever the engine made before the pause reaches the client; it is not the end.
-            received = read_until(sock, b'"finish_reason":"length"', 1.0, received)
-            assert b"finish_reason" not in received and in_flight() == 1, received[-500:]
-        finally:
-            reset(sock)
-        wait_for(lambda: in_flight() == 0, 10, "the gateway let the request go")
+        for _ in range(3):
+            utility("pause_scheduler", "keep", False)
+            sent = info().requests_sent
+            sock = send_chat(app.base_url, body)
+            try:
+                wait_for(lambda: info().requests_sent == sent + 1, 30, "ADD sent")
+                mid_stream = paused_mid_stream(sock)
+                assert not mid_stream or info().num_in_flight == 1
+            finally:
+                reset(sock)
+            wait_for(lambda: info().num_in_flight == 0, 10, "the gateway let the request go")
+            if mid_stream:
+                break
+        else:
+            raise AssertionError("the request finished before the client could leave, three times")
         # ADD, ABORT and utility calls share one socket, in order: this resume comes after the abort.
         utility("resume_scheduler")
         assert utility("has_work") is False, "the engine still runs the request the client left"
