@@ -43,13 +43,13 @@ class WholeAnswer:
 class ChoiceOutput:
     """One choice's reading (the parsers keep state while streaming)."""
 
-    def __init__(self, parsing: OutputParsing, prompt_token_ids: list[int]) -> None:
+    def __init__(self, parsing: OutputParsing) -> None:
         self.parsing = parsing
         self.tools = parsing.tools
         self.tool_parser = None if parsing.tools is None else parsing.tools.parser()
         self.reasoning: ReasoningParser | None = None if parsing.reasoning is None else parsing.reasoning.parser()
         # Streaming state, vLLM's `StreamState`: the ids so far are kept only while reasoning lasts.
-        self._reasoning_ended = self.reasoning is None or self.reasoning.is_reasoning_end(prompt_token_ids)
+        self._reasoning_ended = parsing.prompt_ended_reasoning
         self._previous_ids: list[int] = []
         self._tool_text = ""  # the text the tool-call parser has read (it re-reads it whole, as vLLM's does)
         self.tools_streamed = False

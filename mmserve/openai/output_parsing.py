@@ -48,23 +48,28 @@ class OutputParsing:
     tools: ToolCallPlan | None
     reasoning: ReasoningSetup | None
     include_reasoning: bool
+    # The prompt's last think tag is the end tag (the template closed the reasoning): a stream is all
+    # content from its first token. True without a reasoning parser.
+    prompt_ended_reasoning: bool
 
 
 def output_parsing(
-    request: ChatCompletionRequest, tools: ToolCallPlan | None, reasoning: ReasoningSetup | None
+    request: ChatCompletionRequest, tools: ToolCallPlan | None, reasoning: ReasoningSetup | None, prompt_token_ids: list[int]
 ) -> OutputParsing | None:
-    """None: no parser is configured, the answer is plain content."""
+    """None: no parser is configured, the answer is plain content. The prompt is read once here, for
+    every choice's reader and for the engine request."""
     if tools is None and reasoning is None:
         return None
-    return OutputParsing(tools, reasoning, request.include_reasoning)
+    ended = reasoning is None or reasoning.parser().is_reasoning_end(prompt_token_ids)
+    return OutputParsing(tools, reasoning, request.include_reasoning, ended)
 
 
-def reasoning_ended(request: ChatCompletionRequest, reasoning: ReasoningSetup | None, prompt_token_ids: list[int]) -> bool | None:
+def reasoning_ended(request: ChatCompletionRequest, parsing: OutputParsing | None) -> bool | None:
     """`EngineCoreRequest.reasoning_ended` (vLLM's `resolve_reasoning_ended`): where an engine with a
     reasoning parser starts applying structured outputs. True: from the first token; None: the engine
     looks at the prompt itself."""
     if not request.include_reasoning:
         return True
-    if reasoning is not None:
-        return reasoning.parser().is_reasoning_end(prompt_token_ids)
+    if parsing is not None and parsing.reasoning is not None:
+        return parsing.prompt_ended_reasoning
     return None

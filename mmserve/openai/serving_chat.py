@@ -45,7 +45,6 @@ class ChatServing:
         context.check_model(request.model)
         tool_choice = request_checks.check_chat_request(request, context.settings.tool_calls)
         tool_plan = tool_call_plan(request, tool_choice, context.settings.tool_calls)
-        parsing = output_parsing(request, tool_plan, context.reasoning)
         image_urls = context.inputs.take_image_urls(request)
         num_images = len(image_urls)
         limits = await context.engine_limits()
@@ -64,7 +63,8 @@ class ChatServing:
         if tool_plan is not None and (changed := engine_tool_constraints(request, tool_plan, prepared.sampling.structured_outputs)):
             prepared.skip_special_tokens = prepared.sampling.skip_special_tokens = changed[0]
             prepared.sampling.structured_outputs = changed[1]
-        prepared.reasoning_ended = reasoning_ended(request, context.reasoning, prepared.prompt_token_ids)
+        parsing = output_parsing(request, tool_plan, context.reasoning, prompt_ids)
+        prepared.reasoning_ended = reasoning_ended(request, parsing)
         prepared.attach(record, num_images=num_images)
         if image_urls:
             prepared.images = context.router.preprocess(
@@ -84,7 +84,7 @@ class ChatServing:
             nonlocal reasoning_tokens
             message, finish_reason, metadata = ResponseMessage(content=r.text), r.finish_reason, True
             if parsing is not None:
-                reader = ChoiceOutput(parsing, prepared.prompt_token_ids)
+                reader = ChoiceOutput(parsing)
                 answer = reader.whole(r.text, r.finish_reason)
                 message = ResponseMessage(content=answer.content, reasoning=answer.reasoning, tool_calls=None if answer.tool_calls is None else [
                     ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments)) for call in answer.tool_calls
@@ -126,7 +126,7 @@ class ChatServing:
         chunks = DeltaChunks("chat.completion.chunk", prepared.request_id, prepared.created, model)
 
         # With a parser, one reader per choice (it keeps state).
-        readers = None if parsing is None else [ChoiceOutput(parsing, prepared.prompt_token_ids) for _ in range(prepared.n)]
+        readers = None if parsing is None else [ChoiceOutput(parsing) for _ in range(prepared.n)]
 
         def delta_chunk(delta: ChoiceDelta) -> bytes | None:
             if readers is None:

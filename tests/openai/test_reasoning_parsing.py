@@ -109,9 +109,9 @@ def _ours(setup: str, body: dict, reasoning, prompt_ids: list[int]) -> ChoiceOut
     tool_parser, _ = SETUPS[setup]
     request = ChatCompletionRequest.model_validate(body)
     config = ToolCallSettings(parser=tool_parser, enable_auto_tool_choice=tool_parser is not None)
-    parsing = output_parsing(request, tool_call_plan(request, check_tools(request, config), config), reasoning)
+    parsing = output_parsing(request, tool_call_plan(request, check_tools(request, config), config), reasoning, prompt_ids)
     assert parsing is not None
-    return ChoiceOutput(parsing, prompt_ids)
+    return ChoiceOutput(parsing)
 
 
 def test_think_tokens_and_texts_tokenize_as_hugging_face(model_dir, hf_tokenizer, our_reasoning):
@@ -181,5 +181,6 @@ def test_reasoning_ended_equals_vllm(hf_tokenizer, our_reasoning, prompt, includ
     parser, vllm_request = _vllm("reasoning-only", body, hf_tokenizer)
     prompt_ids = hf_tokenizer.encode(PROMPTS[prompt], add_special_tokens=False)
     request = ChatCompletionRequest.model_validate(body)
-    assert reasoning_ended(request, our_reasoning, prompt_ids) == vllm_request.resolve_reasoning_ended(parser, prompt_ids)
-    assert reasoning_ended(request, None, prompt_ids) == vllm_request.resolve_reasoning_ended(None, prompt_ids)
+    with_parser = output_parsing(request, None, our_reasoning, prompt_ids)
+    assert reasoning_ended(request, with_parser) == vllm_request.resolve_reasoning_ended(parser, prompt_ids)
+    assert reasoning_ended(request, None) == vllm_request.resolve_reasoning_ended(None, prompt_ids)

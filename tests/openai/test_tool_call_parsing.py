@@ -174,9 +174,9 @@ def _our_delta(message) -> dict | None:
 def _reader(plan) -> ChoiceOutput:
     """One choice's reader with the tool-call parser alone (no reasoning parser)."""
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
-    parsing = output_parsing(request, plan, None)
+    parsing = output_parsing(request, plan, None, [1])
     assert parsing is not None
-    return ChoiceOutput(parsing, [1])
+    return ChoiceOutput(parsing)
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["parallel", "single"])
