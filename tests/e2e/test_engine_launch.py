@@ -62,7 +62,9 @@ def _answers(app) -> bool:
 @pytest.mark.real_engine
 def test_launched_engine_serves_restarts_and_leaves_nothing(serve_instance, tiny_qwen2_vl_dir):
     name = "launched"
-    env = dict(VLLM_CPU_ENV)
+    # The tests' engine settings, the model worker inside the EngineCore process as in every test engine
+    # (tests/support/vllm_engines.py): the launcher starts the command line it is given, whatever it runs.
+    env = {**VLLM_CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     args = {
         "model": str(tiny_qwen2_vl_dir), "served_model_name": TINY_MODEL_NAME,
         "handshake_timeout_s": 600, "health_check_timeout_s": 20,

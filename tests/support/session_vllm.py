@@ -22,9 +22,7 @@ stops the processes at the end of the session (``pytest_sessionfinish``), used o
 
 from __future__ import annotations
 
-import random
 import shutil
-import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -32,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .vllm_engines import HeadlessVllmEngine, VllmApiServer
+from .vllm_engines import HeadlessVllmEngine, VllmApiServer, free_tcp_port
 from .vllm_reference import ReferenceResult, run_offline_reference
 
 TINY_MODEL_NAME = "tiny-qwen2-vl"
@@ -42,24 +40,8 @@ MAX_MODEL_LEN = 1024
 TOOL_CALL_PARSER = "hermes"
 REFERENCE_SERVER_TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", TOOL_CALL_PARSER)
 
-# The app engine's handshake port is chosen now and bound by the app minutes later, so it must be a
-# port nothing else takes meanwhile: below Linux's ephemeral range (32768+, where the kernel picks
-# the ports of outgoing connections and of `bind(0)`) and above Ray's worker ports (10002–19999).
-_QUIET_PORTS = range(20000, 32000)
 # An engine this young still has more than a minute of its 5 to wait for the app's handshake.
 FRESH_ENGINE_S = 200.0
-
-
-def quiet_port(host: str = "127.0.0.1") -> int:
-    """A free port that neither the kernel nor Ray will hand out by itself."""
-    for port in random.sample(_QUIET_PORTS, 200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {_QUIET_PORTS}")
 
 
 @dataclass(eq=False)
@@ -103,7 +85,7 @@ class SessionVllm:
                     if not self._stopped and reference_server:
                         self._server = self._new_server(self._models[TINY_MODEL_NAME].result())
                     if not self._stopped and app_engine:
-                        self._engine = self._new_engine(self._models[TINY_MODEL_NAME].result(), quiet_port())
+                        self._engine = self._new_engine(self._models[TINY_MODEL_NAME].result(), free_tcp_port())
         finally:
             self._processes_started.set()
         self._build(later)
@@ -180,7 +162,7 @@ class SessionVllm:
         self._processes_started.wait()
         with self._lock:
             if self._engine is None:
-                self._engine = self._new_engine(model_dir, quiet_port())
+                self._engine = self._new_engine(model_dir, free_tcp_port())
             elif time.monotonic() - self._engine_started_at > FRESH_ENGINE_S or not self._engine.is_alive():
                 # Started too long ago to be sure of its handshake: replace it.
                 self._engine.stop()
