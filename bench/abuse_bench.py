@@ -411,7 +411,7 @@ class MmserveSetup:
     def start(self) -> str:
         handshake = free_tcp_port()
         self.engine = HeadlessVllmEngine(self.model_dir, handshake, max_model_len=MAX_MODEL_LEN,
-                                         log_path=self.work / "engine.log", worker_process=True).start()
+                                         log_path=self.work / "engine.log", as_users_run=True).start()
         port = free_tcp_port()
         args = {"model": str(self.model_dir), "served_model_name": MODEL_NAME,
                 "engines": [f"tcp://127.0.0.1:{handshake}"], "handshake_timeout_s": 600, "health_check_timeout_s": 20}
@@ -461,7 +461,7 @@ class VllmSetup:
 
     def start(self) -> str:
         self.server = VllmApiServer(self.model_dir, served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
-                                    log_path=self.work / "vllm.log", worker_process=True).start()
+                                    log_path=self.work / "vllm.log", as_users_run=True).start()
         self.server.wait_healthy(timeout=900)
         return self.server.base_url
 

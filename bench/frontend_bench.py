@@ -437,7 +437,7 @@ def run_vllm(run: int, model_dir: Path, work: Path, bodies: dict[str, list[dict[
     print(f"== run {run}: vLLM (`vllm serve`, its own API server)", flush=True)
     t0 = time.monotonic()
     server = VllmApiServer(model_dir, served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
-                           log_path=work / f"vllm_server_{run}.log", worker_process=True).start()
+                           log_path=work / f"vllm_server_{run}.log", as_users_run=True).start()
     bench_pid = os.getpid()
 
     def member(proc: psutil.Process) -> str | None:
@@ -622,7 +622,7 @@ def run_mmserve(run: int, model_dir: Path, work: Path, bodies: dict[str, list[di
     hs_port = free_tcp_port()
     # The engine connects to the handshake address serve run will bind (ZMQ retries until then).
     engine = HeadlessVllmEngine(model_dir, hs_port, max_model_len=MAX_MODEL_LEN, log_path=work / f"vllm_headless_{run}.log",
-                                worker_process=True).start()
+                                as_users_run=True).start()
     serve = ServeRun([f"model={model_dir}", f"served_model_name={MODEL_NAME}", f"engines=tcp://127.0.0.1:{hs_port}",
                       *SERVE_ARGS_EXTRA], env, port, work / f"serve_run_{run}.log")
     bench_pid = os.getpid()

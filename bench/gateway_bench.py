@@ -542,7 +542,7 @@ def main() -> None:
             # 2a: vLLM's own server, before Ray exists (nothing else of ours running).
             print("== vLLM OpenAI server", flush=True)
             server = VllmApiServer(model_dir, served_model_name=MODEL_NAME, max_model_len=1024, log_path=tmp / "vllm_server.log",
-                                   worker_process=True).start()
+                                   as_users_run=True).start()
             try:
                 server.wait_healthy(timeout=300)
                 for c in (1, 32):
@@ -577,7 +577,7 @@ def main() -> None:
                     print(f"== [{variant}] gateway + vLLM headless engine", flush=True)
                     hs_port = free_tcp_port()
                     engine = HeadlessVllmEngine(model_dir, hs_port, max_model_len=1024, log_path=tmp / "vllm_headless.log",
-                                                worker_process=True).start()
+                                                as_users_run=True).start()
                     try:
                         base = deploy(port, "bench_vllm", {
                             "model": str(model_dir), "served_model_name": MODEL_NAME,

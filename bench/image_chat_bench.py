@@ -390,7 +390,7 @@ def main() -> None:
             # vLLM's own server first, before Ray exists.
             print(f"== {VLLM_SETUP}", flush=True)
             server = VllmApiServer(model_dir, served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN, log_path=tmp / "vllm_server.log",
-                                   worker_process=True).start()
+                                   as_users_run=True).start()
             _vllm_root.update(pid=server.pid, label="vLLM API server process")
             try:
                 server.wait_healthy(timeout=300)
@@ -409,7 +409,7 @@ def main() -> None:
 
                 hs_port = free_tcp_port()
                 engine = HeadlessVllmEngine(model_dir, hs_port, max_model_len=MAX_MODEL_LEN, log_path=tmp / "vllm_headless.log",
-                                            worker_process=True).start()
+                                            as_users_run=True).start()
                 _vllm_root.update(pid=engine.pid, label="vllm serve --headless launcher")
                 try:
                     base = gb.deploy(port, APP, {

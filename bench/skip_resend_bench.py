@@ -97,7 +97,7 @@ async def run(args: argparse.Namespace) -> str:
     pixel_bytes = sum(f.array.nbytes for image in images.images for f in image.fields)
 
     port = free_tcp_port()
-    engine = HeadlessVllmEngine(model_dir, port, max_model_len=4096, worker_process=True).start()
+    engine = HeadlessVllmEngine(model_dir, port, max_model_len=4096, as_users_run=True).start()
     client = EngineClient(engine_client_config(
         EngineAddresses(f"tcp://127.0.0.1:{port}"), handshake_timeout_s=600, health_check_interval_s=1.0, health_check_timeout_s=30.0,
     ))

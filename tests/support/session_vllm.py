@@ -1,20 +1,21 @@
 """What the whole test session shares and takes long to make, made in a background thread as soon as
 collection knows that a selected test needs it.
 
-A vLLM start-up costs 25–50 s on this 2-core machine, nearly all of it single-threaded imports in
-three processes one after another (the CLI, the EngineCore, its worker). Started right after
-collection, the work below runs on one core while the first tests run on the other, and is done, or
-nearly, when a test asks for it (tests/conftest.py orders the modules for that), in this order:
+Started right after collection, the work below runs on one core while the first tests run on the
+other, and is done, or nearly, when a test asks for it (tests/conftest.py orders the modules for
+that), in this order:
 
+- the tests' vLLM zygote (tests/support/vllm_zygote.py), which imports vLLM once (≈ 10 s) and forks
+  every vLLM process of the session after it (≈ 4 s each to a healthy `vllm serve`);
 - the tiny Qwen2-VL model (random weights, seed 0), alone: the shared processes need it;
 - ``vllm serve`` on it (``reference_server``): vLLM's own server, whose answers mmserve must equal;
 - ``vllm serve --headless`` on it (``app_engine``), which the session app ``vllm_app`` connects to.
   A headless engine waits at most 5 minutes for its front-end's handshake (vLLM's
-  ``HANDSHAKE_TIMEOUT_MINS``, counted from its HELLO, ≈20 s after its start); one started more than
+  ``HANDSHAKE_TIMEOUT_MINS``, counted from its HELLO, seconds after its start); one started more than
   ``FRESH_ENGINE_S`` before the app deploys is replaced by a new one on the same port;
 - the other tiny models the selected tests use (``tiny_models.TINY_MODELS``), in one process;
 - the offline references the test modules declare in ``OFFLINE_REFERENCES`` (``OfflineReference``),
-  one after another, each in its own process (``vllm_reference.run_offline_reference``).
+  one after another, each in a process of its own (``vllm_reference.run_offline_reference``).
 
 ``tests/conftest.py`` starts it (``pytest_collection_finish``), hands it out through fixtures and
 stops the processes at the end of the session (``pytest_sessionfinish``), used or not.
@@ -32,6 +33,7 @@ from typing import Any
 
 from .vllm_engines import HeadlessVllmEngine, VllmApiServer, free_tcp_port
 from .vllm_reference import ReferenceResult, run_offline_reference
+from .vllm_zygote import shared_zygote
 
 TINY_MODEL_NAME = "tiny-qwen2-vl"
 MAX_MODEL_LEN = 1024
@@ -77,6 +79,7 @@ class SessionVllm:
         self._thread.start()
 
     def _start(self, reference_server: bool, app_engine: bool) -> None:
+        shared_zygote()  # its imports beside the first model's build
         first = [TINY_MODEL_NAME] if TINY_MODEL_NAME in self._foreseen else []
         later = [name for name in self._foreseen if name not in first]
         try:

@@ -1,10 +1,9 @@
 """vLLM's offline engine as the reference the gateway is compared against.
 
-``run_offline_reference(model_dir, cases)`` runs ``vllm.LLM`` in a *subprocess* of the reference venv
-(``reference_venv.reference_python()``; this very module, run with ``-m``: vLLM needs the
-``if __name__ == "__main__"`` guard for its spawn start method, wants
-``VLLM_TARGET_DEVICE=cpu`` set before it is imported, and leaves threads/processes behind that we do
-not want inside pytest). Parent and child exchange JSON files.
+``run_offline_reference(model_dir, cases)`` runs ``vllm.LLM`` in a *child process* of the reference venv,
+forked from the tests' vLLM zygote (tests/support/vllm_zygote.py; vLLM wants ``VLLM_TARGET_DEVICE=cpu``
+set before it is imported, and leaves threads behind that we do not want inside pytest). Parent and
+child exchange JSON files.
 
 A case is a dict, either
   ``{"prompt_token_ids": [...], "sampling": {SamplingParams kwargs}}``           -> ``LLM.generate``
@@ -14,7 +13,7 @@ or
 arguments of ``LLM.chat``, e.g. ``{"add_generation_prompt": True}``).
 
 Each case runs on its own (one ``generate``/``chat`` call per case, in order) with one ``LLM``
-instance per call of ``run_offline_reference`` (start-up ≈ 19 s). ``PendingReference`` starts the same
+instance per call of ``run_offline_reference`` (start-up ≈ 3 s from the zygote). ``PendingReference`` starts the same
 computation and returns at once, so that a test can boot its engine meanwhile. Results are cached on disk under
 ``<repo>/.cache/vllm_reference/``, keyed by the model directory's file contents, the cases, the
 engine arguments, the vLLM version and this file's source, so repeated test runs cost nothing.
@@ -27,12 +26,11 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from .reference_venv import reference_python, reference_vllm_version
+from .reference_venv import reference_vllm_version
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = REPO / ".cache" / "vllm_reference"
@@ -131,15 +129,14 @@ class PendingReference:
         tmp = Path(self._tmp.name)
         job, self._out, self._log = tmp / "job.json", tmp / "out.json", tmp / "log.txt"
         job.write_text(json.dumps({"model": str(model_dir), "engine_args": engine_args, "cases": cases}))
-        with open(self._log, "wb") as logf:
-            self._proc = subprocess.Popen(
-                [reference_python(), "-m", "tests.support.vllm_reference", str(job), str(self._out)],
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                # In-process engine core: one process fewer to spawn, and nothing left behind.
-                env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(REPO)),
-                cwd=tmp,
-            )
+        # Forked from the tests' vLLM zygote (vllm_zygote.py: vLLM already imported), with the engine
+        # core in this one process: nothing to spawn, nothing left behind.
+        from .vllm_zygote import shared_zygote
+
+        self._proc = shared_zygote().start(
+            ["offline-reference", str(job), str(self._out)],
+            env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(REPO)), cwd=tmp, log=self._log,
+        )
 
     def result(self) -> list[ReferenceResult]:
         if self._results is not None:
@@ -171,9 +168,10 @@ def run_offline_reference(model_dir: str | Path, cases: list[dict], **options: A
 
 
 # ------------------------------------------------------------------------------------------------
-# Child process
+# Child process (run by the zygote)
 # ------------------------------------------------------------------------------------------------
-def _child(job_path: str, out_path: str) -> None:
+def compute_offline_reference(job_path: str, out_path: str) -> None:
+    """The child's work: the job's cases through `vllm.LLM`, the answers written to `out_path`."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -204,7 +202,3 @@ def _child(job_path: str, out_path: str) -> None:
             }
         )
     Path(out_path).write_text(json.dumps(results))
-
-
-if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2])
