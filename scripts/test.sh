@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Install both venvs (idempotent, pinned) and run the whole test suite, real vLLM engine tests included,
-# in two parts (see tests/conftest.py):
-#   1. from the gateway venv .venv (README's quick start install + test tools; no vllm, torch or
-#      transformers): every test but the `reference` ones. Every Serve application of the suite runs
-#      here; real vLLM engines, vLLM's offline reference and the tiny-model builders are started as
-#      processes of the reference venv.
-#   2. from the reference venv .venv-ref: the `reference` tests, which call vLLM's or Hugging Face's own
-#      functions in-process.
-# The reference venv is installed first; the reference part (about 2.5 minutes of one core, in-process
-# comparisons only) then starts at a lower priority (`nice`) and runs on while pip installs the gateway
-# venv and the gateway part runs: that part's Serve and vLLM tests leave about a third of the two cores
-# idle while they wait on engines and replicas, which the reference part takes, never the time of the
-# gateway part's tests, some of which have time bounds. Both parts always run; the exit status is
-# non-zero if either fails. Arguments go to both pytest runs (paths, -k, -x, --co ...; not -m, which
-# selects the parts).
+# in three pytest processes at once (see tests/conftest.py):
+#   1. the gateway part, from the gateway venv .venv (README's quick start install + test tools; no vllm,
+#      torch or transformers): every test but the `reference` and `own_cluster` ones, on one Ray instance
+#      whose Serve applications the tests share; real vLLM engines, vLLM's offline reference and the
+#      tiny-model builders are processes of the reference venv (forked from one warm vLLM zygote).
+#   2. the own-cluster part, from .venv too: the tests that start Ray clusters of their own (README's
+#      quick start in a fresh clone, `serve run`, a multi-node cluster), beside the gateway part, whose
+#      tests with tight time bounds wait until this part has ended.
+#   3. the reference part, from the reference venv .venv-ref: the `reference` tests, which call vLLM's
+#      or Hugging Face's own functions in-process; at a lower priority (`nice`), so that it takes the
+#      cores the others leave idle while they wait on engines and replicas, never their time.
+# The two venvs are installed at the same time (uv for the reference venv, pip for the gateway venv:
+# mostly unpacking and writing files); the reference part starts when its venv is ready, the gateway
+# parts when both are (their real engines run from the reference venv). All parts always run; the exit
+# status is non-zero if any fails. Arguments go to every pytest run (paths, -k, -x, --co ...; not -m,
+# which selects the parts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -31,31 +33,65 @@ run_part() {  # run_part NAME PYTHON MARKEXPR ARGS...; sets RC and PART_S (PART_
 }
 minutes() { printf "%d:%02d" $(($1 / 60)) $(($1 % 60)); }
 
-bash scripts/setup.sh reference
-REFERENCE_SETUP_S=$((SECONDS - START))
 REFERENCE_LOG=$(mktemp)
-trap 'rm -f "$REFERENCE_LOG" "$REFERENCE_LOG.status"' EXIT
-# The reference part, at a lower priority, beside all that follows; its output is shown when it ends.
+trap 'rm -f "$REFERENCE_LOG" "$REFERENCE_LOG.ready" "$REFERENCE_LOG.status"' EXIT
+# The reference venv, then the reference part at a lower priority, beside all that follows; its output
+# is shown when it ends. "$REFERENCE_LOG.ready" holds the venv's set-up time (or "failed").
 (
+    start=$SECONDS
+    if bash scripts/setup.sh reference; then
+        echo $((SECONDS - start)) > "$REFERENCE_LOG.ready"
+    else
+        echo failed > "$REFERENCE_LOG.ready"
+        exit 1
+    fi
     PART_NICE=5 run_part reference .venv-ref/bin/python "reference" "$@"
     echo "$RC $PART_S" > "$REFERENCE_LOG.status"
 ) > "$REFERENCE_LOG" 2>&1 &
 REFERENCE_PID=$!
-START_GATEWAY_SETUP=$SECONDS
+# On an early exit (the gateway venv failed to install): stop the reference side too.
+trap 'pkill -P "$REFERENCE_PID" 2>/dev/null; kill "$REFERENCE_PID" 2>/dev/null; rm -f "$REFERENCE_LOG" "$REFERENCE_LOG.ready" "$REFERENCE_LOG.status"' EXIT
 bash scripts/setup.sh gateway
-GATEWAY_SETUP_S=$((SECONDS - START_GATEWAY_SETUP))
+GATEWAY_SETUP_S=$((SECONDS - START))
+while [ ! -s "$REFERENCE_LOG.ready" ] && kill -0 "$REFERENCE_PID" 2>/dev/null; do sleep 1; done
+read -r REFERENCE_SETUP_S < "$REFERENCE_LOG.ready" || REFERENCE_SETUP_S=failed
+if [ "$REFERENCE_SETUP_S" = failed ]; then
+    wait "$REFERENCE_PID" || true
+    cat "$REFERENCE_LOG"
+    echo "[test] the reference venv could not be installed"
+    exit 1
+fi
 BEFORE_GATEWAY_S=$((SECONDS - START))
 
-run_part gateway .venv/bin/python "not reference" "$@"; GATEWAY_RC=$RC; GATEWAY_S=$PART_S
+# The gateway tests in two processes at once: those that start Ray clusters of their own (README's
+# quick start, `serve run`, a multi-node cluster; tests/conftest.py OWN_CLUSTER_TESTS) beside the others,
+# whose tests with tight time bounds wait until the own-cluster process has ended.
+OWN_CLUSTER_LOG=$(mktemp)
+export MMSERVE_OWN_CLUSTER_PART_DONE=$OWN_CLUSTER_LOG.done
+(
+    run_part own-cluster .venv/bin/python "not reference and own_cluster" "$@"
+    echo "$RC $PART_S" > "$OWN_CLUSTER_LOG.status"
+    touch "$MMSERVE_OWN_CLUSTER_PART_DONE"
+) > "$OWN_CLUSTER_LOG" 2>&1 &
+OWN_CLUSTER_PID=$!
+run_part gateway .venv/bin/python "not reference and not own_cluster" "$@"; GATEWAY_RC=$RC; GATEWAY_S=$PART_S
+wait "$OWN_CLUSTER_PID" || true
+cat "$OWN_CLUSTER_LOG"
+read -r OWN_CLUSTER_RC OWN_CLUSTER_S < "$OWN_CLUSTER_LOG.status" || { OWN_CLUSTER_RC=1; OWN_CLUSTER_S=0; }
+rm -f "$OWN_CLUSTER_LOG" "$OWN_CLUSTER_LOG.status" "$MMSERVE_OWN_CLUSTER_PART_DONE"
 wait "$REFERENCE_PID" || true
 cat "$REFERENCE_LOG"
 read -r REFERENCE_RC REFERENCE_S < "$REFERENCE_LOG.status" || { REFERENCE_RC=1; REFERENCE_S=0; }
-echo "[test] time: reference venv $(minutes $REFERENCE_SETUP_S), then the gateway venv $(minutes $GATEWAY_SETUP_S)" \
-    "($(minutes $BEFORE_GATEWAY_S) until the gateway part) and the gateway part $(minutes $GATEWAY_S), with the" \
-    "reference part beside them from the reference venv on ($(minutes $REFERENCE_S)); all $(minutes $((SECONDS - START))) (m:ss)"
+echo "[test] time: the reference venv $(minutes $REFERENCE_SETUP_S) and the gateway venv $(minutes $GATEWAY_SETUP_S)," \
+    "installed at once ($(minutes $BEFORE_GATEWAY_S) until the gateway parts); the gateway part $(minutes $GATEWAY_S)," \
+    "with the own-cluster part ($(minutes $OWN_CLUSTER_S)) and the reference part ($(minutes $REFERENCE_S), from" \
+    "the reference venv on) beside it; all $(minutes $((SECONDS - START))) (m:ss)"
 
-# Exit status 5 (nothing collected) is fine for one part when arguments chose tests of the other only.
-if [ "$GATEWAY_RC" = 5 ] && [ "$REFERENCE_RC" != 5 ]; then GATEWAY_RC=0; fi
-if [ "$REFERENCE_RC" = 5 ] && [ "$GATEWAY_RC" != 5 ]; then REFERENCE_RC=0; fi
-echo "[test] gateway part: $GATEWAY_RC, reference part: $REFERENCE_RC"
-[ "$GATEWAY_RC" = 0 ] && [ "$REFERENCE_RC" = 0 ]
+# Exit status 5 (nothing collected) is fine for a part when arguments chose tests of the others only.
+echo "[test] gateway part: $GATEWAY_RC, own-cluster part: $OWN_CLUSTER_RC, reference part: $REFERENCE_RC"
+FAILED=0 ALL_EMPTY=1
+for rc in "$GATEWAY_RC" "$OWN_CLUSTER_RC" "$REFERENCE_RC"; do
+    [ "$rc" = 0 ] || [ "$rc" = 5 ] || FAILED=1
+    [ "$rc" = 5 ] || ALL_EMPTY=0
+done
+[ "$FAILED" = 0 ] && [ "$ALL_EMPTY" = 0 ]

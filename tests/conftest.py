@@ -56,6 +56,22 @@ REFERENCE_TESTS: dict[str, str | set[str]] = {
     "tests/vision/test_resize.py": "*",
     "tests/wire/test_vllm_interop.py": "*",
 }
+# Modules that start Ray clusters of their own (README's quick start in a fresh clone, `serve run`, a
+# multi-node cluster) and use nothing of the session's: scripts/test.sh runs them (`-m own_cluster`) in
+# a pytest process of their own, beside the other gateway tests, which leave the cores idle while they
+# wait on engines and replicas. The tests with tight time bounds (`background_settled`) wait until that
+# process is done (OWN_CLUSTER_PART_DONE).
+OWN_CLUSTER_TESTS = {
+    "tests/test_quickstart.py",
+    "tests/deployments/test_fastapi_versions.py",
+    "tests/e2e/test_default_limits.py",
+    "tests/e2e/test_multinode_colocation.py",
+    "tests/e2e/test_serve_run_logs.py",
+}
+# What the other gateway tests share in their process; an own-cluster test uses none of it.
+SESSION_SHARED_FIXTURES = {"serve_instance", "builtin_app", "vllm_app", "vllm_serve_reference", "session_vllm"}
+# A file scripts/test.sh creates when the own-cluster process has ended.
+OWN_CLUSTER_PART_DONE = "MMSERVE_OWN_CLUSTER_PART_DONE"
 REFERENCE_FIXTURES = {
     "hf_tokenizer",  # tests/text/conftest.py: transformers' AutoTokenizer
     "vllm_codec",  # tests/builtin_engine/test_builtin_engine.py: vLLM's msgpack codec and structs
@@ -69,6 +85,7 @@ def _relative(path: Path) -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "reference: imports vllm/torch/transformers in-process; runs from .venv-ref")
+    config.addinivalue_line("markers", "own_cluster: starts Ray clusters of its own; runs beside the other gateway tests")
 
 
 def _excludes_reference(config: pytest.Config) -> bool:
@@ -97,6 +114,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = getattr(item, "originalname", item.name)
         if listed == "*" or (listed and name in listed) or REFERENCE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.reference)
+        if _relative(item.path) in OWN_CLUSTER_TESTS:
+            item.add_marker(pytest.mark.own_cluster)
+            shared = SESSION_SHARED_FIXTURES & set(getattr(item, "fixturenames", ()))
+            if shared:  # it would make its own copy of them in its own process
+                raise pytest.UsageError(f"{item.nodeid} is listed in OWN_CLUSTER_TESTS but uses {sorted(shared)}")
     group: dict[Path, int] = {}
     for item in items:  # a module runs whole, in the group of its latest-grouped test
         group[item.path] = max(group.get(item.path, 0), _run_group(item))
@@ -276,11 +298,16 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.fixture(scope="session")
 def background_settled(pytestconfig) -> None:
     """Waits until the work started after collection is done (the shared vLLM processes booted, the
-    quick start stopped): tests with tight time bounds must not share the cores with it."""
+    quick start stopped) and the own-cluster tests have ended in their process: tests with tight time
+    bounds must not share the cores with them."""
     if _SESSION_VLLM in pytestconfig.stash:
         pytestconfig.stash[_SESSION_VLLM].wait_started()
     if _QUICK_START in pytestconfig.stash:
         pytestconfig.stash[_QUICK_START].wait()
+    done = os.environ.get(OWN_CLUSTER_PART_DONE)
+    deadline = time.monotonic() + 1800
+    while done and not Path(done).exists() and time.monotonic() < deadline:
+        time.sleep(1.0)
 
 
 @pytest.fixture(scope="session")
