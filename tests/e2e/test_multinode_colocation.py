@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,8 +25,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_launched_engines_and_their_clients_share_the_engine_node():
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, str(SCENARIO), str(free_tcp_port())], capture_output=True, text=True, timeout=600, env=env)
+    # Its own Ray temp root: `Cluster` writes the machine's "current cluster" file (ray_current_cluster)
+    # there, which any `serve run` started meanwhile (README's quick start, in the same pytest process's
+    # background or in another) would otherwise join instead of starting its own Ray.
+    ray_tmp = tempfile.mkdtemp(prefix="mmserve-ray-")  # short: Ray's socket paths live under it
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", "RAY_AUTH_MODE": "disabled",
+           "RAY_TMPDIR": ray_tmp}
+    try:
+        proc = subprocess.run([sys.executable, str(SCENARIO), str(free_tcp_port())], capture_output=True, text=True,
+                              timeout=600, env=env)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(lines[-1])
