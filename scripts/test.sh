@@ -5,9 +5,10 @@
 #      torch or transformers): every test but the `reference` and `own_cluster` ones, on one Ray instance
 #      whose Serve applications the tests share; real vLLM engines, vLLM's offline reference and the
 #      tiny-model builders are processes of the reference venv (forked from one warm vLLM zygote).
-#   2. the own-cluster part, from .venv too: the tests that start Ray clusters of their own (README's
-#      quick start in a fresh clone, `serve run`, a multi-node cluster), beside the gateway part, whose
-#      tests with tight time bounds wait until this part has ended.
+#   2. the own-cluster part, from .venv too: the tests that run on Ray clusters of their own (README's
+#      quick start in a fresh clone, `serve run`, a multi-node cluster, the engine launcher's on this
+#      process's own instance), beside the gateway part, whose tests with tight time bounds wait until
+#      this part has ended.
 #   3. the reference part, from the reference venv .venv-ref: the `reference` tests, which call vLLM's
 #      or Hugging Face's own functions in-process; at a lower priority (`nice`), so that it takes the
 #      cores the others leave idle while they wait on engines and replicas, never their time.
@@ -63,9 +64,9 @@ if [ "$REFERENCE_SETUP_S" = failed ]; then
 fi
 BEFORE_GATEWAY_S=$((SECONDS - START))
 
-# The gateway tests in two processes at once: those that start Ray clusters of their own (README's
-# quick start, `serve run`, a multi-node cluster; tests/conftest.py OWN_CLUSTER_TESTS) beside the others,
-# whose tests with tight time bounds wait until the own-cluster process has ended.
+# The gateway tests in two processes at once: those that run on Ray clusters of their own (README's
+# quick start, `serve run`, a multi-node cluster, the launcher's; tests/conftest.py OWN_CLUSTER_TESTS)
+# beside the others, whose tests with tight time bounds wait until the own-cluster process has ended.
 OWN_CLUSTER_LOG=$(mktemp)
 export MMSERVE_OWN_CLUSTER_PART_DONE=$OWN_CLUSTER_LOG.done
 (

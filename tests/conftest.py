@@ -56,20 +56,23 @@ REFERENCE_TESTS: dict[str, str | set[str]] = {
     "tests/vision/test_resize.py": "*",
     "tests/wire/test_vllm_interop.py": "*",
 }
-# Modules that start Ray clusters of their own (README's quick start in a fresh clone, `serve run`, a
-# multi-node cluster) and use nothing of the session's: scripts/test.sh runs them (`-m own_cluster`) in
-# a pytest process of their own, beside the other gateway tests, which leave the cores idle while they
-# wait on engines and replicas. The tests with tight time bounds (`background_settled`) wait until that
-# process is done (OWN_CLUSTER_PART_DONE).
+# Modules that run on Ray clusters of their own, apart from the Ray instance the other gateway tests
+# share (README's quick start in a fresh clone, `serve run`, a multi-node cluster; the launcher tests,
+# mostly waiting on replicas and engines being replaced, on their process's own instance):
+# scripts/test.sh runs them (`-m own_cluster`) in a pytest process of their own, beside the other
+# gateway tests, which leave the cores idle while they wait on engines and replicas. The tests with
+# tight time bounds (`background_settled`) wait until that process is done (OWN_CLUSTER_PART_DONE).
 OWN_CLUSTER_TESTS = {
     "tests/test_quickstart.py",
     "tests/deployments/test_fastapi_versions.py",
     "tests/e2e/test_default_limits.py",
+    "tests/e2e/test_engine_launch.py",
     "tests/e2e/test_multinode_colocation.py",
     "tests/e2e/test_serve_run_logs.py",
 }
-# What the other gateway tests share in their process; an own-cluster test uses none of it.
-SESSION_SHARED_FIXTURES = {"serve_instance", "builtin_app", "vllm_app", "vllm_serve_reference", "session_vllm"}
+# What the other gateway tests share and an own-cluster test must not use (its process would make a
+# second copy: a second vLLM server and engine, a second app).
+SESSION_SHARED_FIXTURES = {"builtin_app", "vllm_app", "vllm_serve_reference"}
 # A file scripts/test.sh creates when the own-cluster process has ended.
 OWN_CLUSTER_PART_DONE = "MMSERVE_OWN_CLUSTER_PART_DONE"
 REFERENCE_FIXTURES = {
@@ -85,7 +88,7 @@ def _relative(path: Path) -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "reference: imports vllm/torch/transformers in-process; runs from .venv-ref")
-    config.addinivalue_line("markers", "own_cluster: starts Ray clusters of its own; runs beside the other gateway tests")
+    config.addinivalue_line("markers", "own_cluster: runs on Ray clusters of its own, beside the other gateway tests")
 
 
 def _excludes_reference(config: pytest.Config) -> bool:
@@ -264,7 +267,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             session.config, models=models, offline_references=references,
             reference_server="vllm_serve_reference" in used, app_engine="vllm_app" in used,
         )  # fmt: skip
-    if "quick_start" in used:
+    # Not in the own-cluster process (scripts/test.sh): there each test starts a Ray cluster of its own,
+    # and the quick start's `serve run`, starting one beside them and the gateway part's, timed out
+    # ("The current node timed out during startup"). Its first test runs it then.
+    own_cluster_only = all(item.get_closest_marker("own_cluster") for item in session.items)
+    if "quick_start" in used and not own_cluster_only:
         _start_quick_start(session.config)
 
 

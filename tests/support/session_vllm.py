@@ -79,7 +79,8 @@ class SessionVllm:
         self._thread.start()
 
     def _start(self, reference_server: bool, app_engine: bool) -> None:
-        shared_zygote()  # its imports beside the first model's build
+        if reference_server or app_engine or self._references:
+            shared_zygote()  # its imports beside the first model's build
         first = [TINY_MODEL_NAME] if TINY_MODEL_NAME in self._foreseen else []
         later = [name for name in self._foreseen if name not in first]
         try:
