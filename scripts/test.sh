@@ -10,8 +10,8 @@
 #      process's own instance), beside the gateway part, whose tests with tight time bounds wait until
 #      this part has ended.
 #   3. the reference part, from the reference venv .venv-ref: the `reference` tests, which call vLLM's
-#      or Hugging Face's own functions in-process; at a lower priority (`nice`), so that it takes the
-#      cores the others leave idle while they wait on engines and replicas, never their time.
+#      or Hugging Face's own functions in-process; at the lowest priority (`nice -n 19`), so that it
+#      takes the cores the others leave idle while they wait on engines and replicas, never their time.
 # The two venvs are installed at the same time (uv for the reference venv, pip for the gateway venv:
 # mostly unpacking and writing files); the reference part starts when its venv is ready, the gateway
 # parts when both are (their real engines run from the reference venv). All parts always run; the exit
@@ -46,12 +46,13 @@ trap 'rm -f "$REFERENCE_LOG" "$REFERENCE_LOG.ready" "$REFERENCE_LOG.status"' EXI
         echo failed > "$REFERENCE_LOG.ready"
         exit 1
     fi
-    PART_NICE=5 run_part reference .venv-ref/bin/python "reference" "$@"
+    PART_NICE=19 run_part reference .venv-ref/bin/python "reference" "$@"
     echo "$RC $PART_S" > "$REFERENCE_LOG.status"
 ) > "$REFERENCE_LOG" 2>&1 &
 REFERENCE_PID=$!
 # On an early exit (the gateway venv failed to install): stop the reference side too.
-trap 'pkill -P "$REFERENCE_PID" 2>/dev/null; kill "$REFERENCE_PID" 2>/dev/null; rm -f "$REFERENCE_LOG" "$REFERENCE_LOG.ready" "$REFERENCE_LOG.status"' EXIT
+trap 'pkill -P "$REFERENCE_PID" 2>/dev/null || true; kill "$REFERENCE_PID" 2>/dev/null || true
+      rm -f "$REFERENCE_LOG" "$REFERENCE_LOG.ready" "$REFERENCE_LOG.status"' EXIT
 bash scripts/setup.sh gateway
 GATEWAY_SETUP_S=$((SECONDS - START))
 while [ ! -s "$REFERENCE_LOG.ready" ] && kill -0 "$REFERENCE_PID" 2>/dev/null; do sleep 1; done
