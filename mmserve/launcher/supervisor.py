@@ -96,6 +96,22 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
+def processes_in_run(run_dir: str) -> list[int]:
+    """Every process whose environment names this run's IPC directory: the engine's descendants,
+    orphans included (a child started and left behind between two looks at the tree)."""
+    marker = f"VLLM_RPC_BASE_PATH={run_dir}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
 def _signal_all(pids: Sequence[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -181,8 +197,9 @@ class EngineSupervisor:
                 track = asyncio.create_task(self._track_tree(process.pid))
                 code = await asyncio.to_thread(process.wait)
                 track.cancel()
-                # Children the engine left behind when it died (re-parented away from us by now).
-                _signal_all(self._last_tree[1:], signal.SIGKILL)
+                # Children the engine left behind when it died (re-parented away from us by now): those
+                # the tree showed, and any started since the last look, found by the run's environment.
+                _signal_all(sorted({*self._last_tree[1:], *processes_in_run(run_dir)}), signal.SIGKILL)
             finally:  # also when `stop()` cancels this loop, after killing the tree
                 shutil.rmtree(run_dir, ignore_errors=True)
             self.exits.append(code)

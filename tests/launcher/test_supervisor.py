@@ -127,3 +127,15 @@ def test_vllm_serve_argv_passes_engine_args_as_flags():
 
 def test_process_tree_lists_descendants():
     assert process_tree(os.getpid())[0] == os.getpid()
+
+
+async def test_children_the_tree_never_showed_are_killed_when_the_engine_exits(monkeypatch, caplog):
+    """A child started and left behind between two looks at the tree (a loaded machine made it so in a
+    full run) is found by its run's environment: here the tree never shows any child."""
+    import mmserve.launcher.supervisor as supervisor
+
+    async def blind(self, pid):
+        self._last_tree = [pid]
+
+    monkeypatch.setattr(supervisor.EngineSupervisor, "_track_tree", blind)
+    await test_exit_is_restarted_with_doubling_backoff(caplog)
