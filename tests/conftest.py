@@ -65,6 +65,7 @@ REFERENCE_TESTS: dict[str, str | set[str]] = {
 OWN_CLUSTER_TESTS = {
     "tests/test_quickstart.py",
     "tests/deployments/test_fastapi_versions.py",
+    "tests/e2e/test_default_limits.py",
     "tests/e2e/test_engine_launch.py",
     "tests/e2e/test_multinode_colocation.py",
     "tests/e2e/test_serve_run_logs.py",
