@@ -71,9 +71,11 @@ BEFORE_GATEWAY_S=$((SECONDS - START))
 OWN_CLUSTER_LOG=$(mktemp)
 export MMSERVE_OWN_CLUSTER_PART_DONE=$OWN_CLUSTER_LOG.done
 (
+    done_file=$MMSERVE_OWN_CLUSTER_PART_DONE
+    unset MMSERVE_OWN_CLUSTER_PART_DONE  # this part never waits for itself
     run_part own-cluster .venv/bin/python "not reference and own_cluster" "$@"
     echo "$RC $PART_S" > "$OWN_CLUSTER_LOG.status"
-    touch "$MMSERVE_OWN_CLUSTER_PART_DONE"
+    touch "$done_file"
 ) > "$OWN_CLUSTER_LOG" 2>&1 &
 OWN_CLUSTER_PID=$!
 run_part gateway .venv/bin/python "not reference and not own_cluster" "$@"; GATEWAY_RC=$RC; GATEWAY_S=$PART_S

@@ -19,7 +19,7 @@ from ray import serve
 from tests.conftest import TINY_MODEL_NAME, deploy_app
 from tests.e2e.fault_support import wait_for
 from tests.support.reference_venv import reference_python
-from tests.support.vllm_reference import VLLM_CPU_ENV
+from tests.support.vllm_reference import VLLM_CPU_ENV, WORKER_IN_ENGINE_CORE
 
 pytestmark = pytest.mark.serve
 
@@ -62,9 +62,8 @@ def _answers(app) -> bool:
 @pytest.mark.real_engine
 def test_launched_engine_serves_restarts_and_leaves_nothing(serve_instance, tiny_qwen2_vl_dir):
     name = "launched"
-    # The tests' engine settings, the model worker inside the EngineCore process as in every test engine
-    # (tests/support/vllm_engines.py): the launcher starts the command line it is given, whatever it runs.
-    env = {**VLLM_CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # The tests' engine settings (the launcher starts the command line it is given, whatever it runs).
+    env = {**VLLM_CPU_ENV, **WORKER_IN_ENGINE_CORE}
     args = {
         "model": str(tiny_qwen2_vl_dir), "served_model_name": TINY_MODEL_NAME,
         "handshake_timeout_s": 600, "health_check_timeout_s": 20,

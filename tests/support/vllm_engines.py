@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .reference_venv import reference_python
-from .vllm_reference import vllm_env
+from .vllm_reference import WORKER_IN_ENGINE_CORE, vllm_env
 from .vllm_zygote import ZygoteChild, shared_zygote
 
 
@@ -95,7 +95,7 @@ class _VllmProcess:
         self.log_path = Path(log_path)
         # vLLM's IPC socket files, which a killed engine leaves behind: removed with the process.
         self._ipc_dir = tempfile.mkdtemp(prefix="vllm_ipc_")
-        executor = {} if as_users_run else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        executor = {} if as_users_run else WORKER_IN_ENGINE_CORE
         self._env = vllm_env(**{"VLLM_RPC_BASE_PATH": self._ipc_dir, **executor, **(env or {})})
         self._proc: subprocess.Popen | ZygoteChild | None = None
 

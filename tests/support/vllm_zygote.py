@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -205,8 +206,6 @@ class ZygoteClient:
             pass
         self._proc.wait(timeout=10)
         self._log.close()
-        import shutil
-
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -223,9 +222,9 @@ def shared_zygote() -> ZygoteClient:
             import atexit
 
             from .reference_venv import reference_python
-            from .vllm_reference import vllm_env
+            from .vllm_reference import WORKER_IN_ENGINE_CORE, vllm_env
 
-            _shared = ZygoteClient(reference_python(), vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+            _shared = ZygoteClient(reference_python(), vllm_env(**WORKER_IN_ENGINE_CORE))
             atexit.register(_shared.stop)
         return _shared
 
