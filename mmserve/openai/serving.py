@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from mmserve.vision import resize_path
 
 from .engine_router import EngineRouting
+from .grammar_check import load_grammar_parser
 from .input_processing import InputProcessor
 from .metrics import Metrics, RequestRecord
 from .output_parsing import reasoning_setup
@@ -31,6 +32,8 @@ class OpenAIServer:
         self.settings = settings
         self.router = router
         self.metrics = metrics
+        # The grammar compiler's parser, loaded now: without it the server does not start (see grammar_check).
+        load_grammar_parser()
         self.inputs = InputProcessor(settings)
         self.outputs = OutputProcessor(self.inputs.tokenizer, router, metrics)
         reasoning = reasoning_setup(settings.reasoning_parser, self.inputs.tokenizer)

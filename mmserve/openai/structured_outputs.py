@@ -1,24 +1,21 @@
 """Structured outputs (`structured_outputs`, `response_format`) checked as vLLM 0.32's front-end does, and the engine's parameters built.
 
-JSON schemas, regexes, grammars and choices are checked for what the engine's xgrammar backend
-would refuse or die on; each failure is a 400 naming the field.
+Sizes, nesting and shapes are checked first (cheap, before any parsing), then every JSON schema, regex,
+grammar and choice is parsed by the grammar compiler the engine runs (`grammar_check`, xgrammar), as
+vLLM's front end has it parsed: what it refuses never reaches an engine. Each refusal is a 400 naming
+the field.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
-
-try:  # Python 3.11+
-    import re._parser as _sre_parse  # type: ignore[import-not-found]
-    import re._constants as _sre_constants  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover
-    import sre_constants as _sre_constants  # type: ignore[no-redef]
-    import sre_parse as _sre_parse  # type: ignore[no-redef]
 
 from mmserve.wire import StructuredOutputsParams
 
+from . import grammar_check
 from .errors import bad_request
 from .protocol import SamplingRequestFields, StructuredOutputsRequest
 
@@ -100,8 +97,8 @@ def _check_schema_node(node: Any, param: str, path: str) -> None:
     types: set[str] = set()
     if kind is not None:
         kinds = [kind] if isinstance(kind, str) else kind
-        if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) for k in kinds):
-            raise bad_request(f"JSON schema at {path}: \"type\" must be a string or a non-empty list of strings", param)
+        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+            raise bad_request(f"JSON schema at {path}: \"type\" must be a string or a list of strings", param)
         unknown = [k for k in kinds if k not in _JSON_TYPES]
         if unknown:
             raise bad_request(f"JSON schema at {path}: unknown type {unknown[0]!r}", param)
@@ -116,8 +113,8 @@ def _check_schema_node(node: Any, param: str, path: str) -> None:
     for key in _SCHEMA_LISTS:
         if key in node:
             value = node[key]
-            if not isinstance(value, list) or not value:
-                raise bad_request(f"JSON schema at {path}: \"{key}\" must be a non-empty array", param)
+            if not isinstance(value, list):
+                raise bad_request(f"JSON schema at {path}: \"{key}\" must be an array", param)
             for i, sub in enumerate(value):
                 _check_schema_node(sub, param, f"{path}.{key}[{i}]")
     for key in _SCHEMA_VALUES:
@@ -129,8 +126,8 @@ def _check_schema_node(node: Any, param: str, path: str) -> None:
         raise bad_request(f"JSON schema at {path}: \"enum\" must be a non-empty array", param)
     if "$ref" in node and not isinstance(node["$ref"], str):
         raise bad_request(f"JSON schema at {path}: \"$ref\" must be a string", param)
-    if "pattern" in node:
-        _check_regex(node["pattern"], param, f"JSON schema pattern at {path}")
+    if "pattern" in node and not isinstance(node["pattern"], str):
+        raise bad_request(f"JSON schema at {path}: \"pattern\" must be a string", param)
     for key in ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"):
         if key in node and (isinstance(node[key], bool) or not isinstance(node[key], int) or node[key] < 0):
             raise bad_request(f"JSON schema at {path}: \"{key}\" must be a non-negative integer", param)
@@ -169,45 +166,23 @@ def check_json_schema(spec: str | dict, param: str) -> str | dict:
     if not isinstance(schema, (dict, bool)):
         raise bad_request(f"the JSON schema must be a JSON object, got {type(schema).__name__}", param)
     _check_schema_node(schema, param, "#")
+    check_with_compiler(grammar_check.check_json_schema, schema, param, "the JSON schema")
     return spec
 
 
-_UNSUPPORTED_REGEX_OPS = {
-    _sre_constants.ASSERT: "lookahead/lookbehind",
-    _sre_constants.ASSERT_NOT: "negative lookahead/lookbehind",
-    _sre_constants.GROUPREF: "backreferences",
-    _sre_constants.GROUPREF_EXISTS: "conditional groups",
-}
-
-
-def _regex_ops(parsed) -> Any:
-    for op, av in parsed:
-        yield op
-        values = av if isinstance(av, (list, tuple)) else [av]
-        for value in values:
-            if isinstance(value, _sre_parse.SubPattern):
-                yield from _regex_ops(value)
-            elif isinstance(value, (list, tuple)):
-                for item in value:
-                    if isinstance(item, _sre_parse.SubPattern):
-                        yield from _regex_ops(item)
-
-
-def _check_regex(pattern: Any, param: str, what: str = "regex") -> None:
+def _check_regex(pattern: Any, param: str, what: str) -> None:
     if not isinstance(pattern, str):
         raise bad_request(f"{what} must be a string", param)
     if len(pattern) > MAX_REGEX_CHARS:
         raise bad_request(f"{what} is limited to {MAX_REGEX_CHARS} characters", param)
     if "\x00" in pattern:
         raise bad_request(f"{what} must not contain a NUL character", param)
-    try:
-        parsed = _sre_parse.parse(pattern)
-        re.compile(pattern)
-    except (re.error, RecursionError, OverflowError, ValueError) as exc:
-        raise bad_request(f"{what} does not compile: {exc}", param) from None
-    for op in _regex_ops(parsed):
-        if op in _UNSUPPORTED_REGEX_OPS:
-            raise bad_request(f"{what} uses {_UNSUPPORTED_REGEX_OPS[op]}, which the grammar backend does not support", param)
+    check_with_compiler(grammar_check.check_regex, pattern, param, what)
+
+
+def _grammar_is_likely_lark(grammar: str) -> bool:
+    """vLLM's `grammar_is_likely_lark`: no line (comments removed) defines an EBNF rule (`::=`)."""
+    return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))
 
 
 def _check_grammar(grammar: str, param: str) -> None:
@@ -217,16 +192,18 @@ def _check_grammar(grammar: str, param: str) -> None:
         raise bad_request(f"structured_outputs.grammar is limited to {MAX_GRAMMAR_CHARS} characters", param)
     if "\x00" in grammar:
         raise bad_request("structured_outputs.grammar must not contain a NUL character", param)
-    lines = [re.sub(r"(#|//).*$", "", line).strip() for line in grammar.split("\n")]
-    rules = [line for line in lines if line]
-    if any("::=" in line for line in rules):
-        # EBNF (GBNF): xgrammar needs a `root` rule.
-        if not any(re.match(r"root\s*::=", line) for line in rules):
-            raise bad_request("structured_outputs.grammar: an EBNF grammar needs a `root ::= ...` rule", param)
-    elif not any(re.match(r"[?!]?start\s*:", line) for line in rules):
-        raise bad_request(
-            "structured_outputs.grammar must be EBNF with a `root ::= ...` rule or Lark with a `start: ...` rule", param
-        )
+    lark = _grammar_is_likely_lark(grammar)
+    check_with_compiler(grammar_check.check_lark if lark else grammar_check.check_ebnf, grammar, param,
+            f"structured_outputs.grammar ({'Lark' if lark else 'EBNF'})")
+
+
+def check_with_compiler(check: Callable[[Any], None], spec: Any, param: str, what: str) -> None:
+    """The engine's grammar compiler parses `spec` as vLLM's front end has it parse it; a refusal is a
+    400 naming the field, with the compiler's reason."""
+    try:
+        check(spec)
+    except grammar_check.GrammarRejected as exc:
+        raise bad_request(f"{what} is refused by the grammar compiler (xgrammar): {exc}", param) from None
 
 
 def _choice_as_grammar(choice: list[str]) -> str:
@@ -328,11 +305,10 @@ def structured_outputs(request: SamplingRequestFields) -> StructuredOutputsParam
         if len(value) > MAX_CHOICES:
             raise bad_request(f"structured_outputs.choice is limited to {MAX_CHOICES} entries", param)
         for choice in value:
-            if not choice:
-                raise bad_request("structured_outputs.choice cannot contain an empty string", param)
             if len(choice) > MAX_CHOICE_CHARS:
                 raise bad_request(f"structured_outputs.choice entries are limited to {MAX_CHOICE_CHARS} characters", param)
         params.grammar = _choice_as_grammar(value)
+        check_with_compiler(grammar_check.check_ebnf, params.grammar, param, "structured_outputs.choice (as a grammar)")
     elif kind == "grammar":
         _check_grammar(value, param)
         params.grammar = value

@@ -21,10 +21,11 @@ from typing import Literal
 
 from mmserve.wire import StructuredOutputsParams
 
+from . import grammar_check
 from .errors import OpenAIError, bad_request
 from .protocol import ChatCompletionRequest
 from .settings import ToolCallSettings
-from .structured_outputs import STRUCTURED_BACKEND, check_json_schema
+from .structured_outputs import STRUCTURED_BACKEND, check_json_schema, check_with_compiler
 from .tool_parsers import TOOL_CALL_PARSERS, ToolCallParser
 from .tool_parsers.structural_tags import json_schema_format, tool_call_structural_tag
 
@@ -161,6 +162,7 @@ def engine_tool_constraints(
     )  # fmt: skip
     if tag is None:
         return skip_special_tokens, structured
+    check_with_compiler(grammar_check.check_structural_tag, tag, "tools", "the tool calls' structural tag")
     return skip_special_tokens, StructuredOutputsParams(structural_tag=tag, _backend=STRUCTURED_BACKEND, _backend_was_auto=True)
 
 

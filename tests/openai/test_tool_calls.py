@@ -136,3 +136,26 @@ def test_auto_with_a_strict_tool_and_a_grammar_takes_ebnf_and_refuses_lark():
     # Without a strict tool no tag is built, and the Lark grammar constrains the answer as it is.
     skip, sent = _constraints({"tools": [TOOL], "structured_outputs": {"grammar": 'start: "a"'}})
     assert sent.grammar == 'start: "a"' and sent.structural_tag is None
+
+
+def test_strict_schemas_and_the_structural_tag_are_parsed_by_the_engines_compiler(monkeypatch):
+    """A strict tool's schema that only the grammar compiler refuses (a `$ref` to nothing): a 400 naming
+    `tools`, as vLLM's front end refuses the structural tag that embeds it; and the tag itself is parsed
+    too, before sending (shown with the schema check taken out)."""
+    from mmserve.openai import tool_calls
+
+    broken = {"type": "object", "properties": {"city": {"$ref": "#/$defs/missing"}}}
+    tool = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": broken}}
+    for choice in ("required", NAMED, "auto"):
+        with pytest.raises(OpenAIError) as refused:
+            _constraints({"tools": [tool], "tool_choice": choice})
+        assert refused.value.status == 400 and refused.value.param == "tools", choice
+        assert "missing" in refused.value.message, refused.value.message
+    monkeypatch.setattr(tool_calls, "check_json_schema", lambda spec, param: spec)
+    with pytest.raises(OpenAIError) as refused:
+        _constraints({"tools": [tool], "tool_choice": "required"})
+    assert refused.value.param == "tools" and "structural tag" in refused.value.message
+    # The same tool, its schema whole, is sent.
+    fixed = {**tool, "function": {**tool["function"], "parameters": {**broken, "$defs": {"missing": {"type": "string"}}}}}
+    _, sent = _constraints({"tools": [fixed], "tool_choice": "required"})
+    assert sent.structural_tag is not None and "#/$defs/missing" in sent.structural_tag
