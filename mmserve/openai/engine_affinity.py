@@ -114,10 +114,34 @@ class AffinityTable:
         return {e: (images.get(e, 0), depth.get(e, 0)) for e in images.keys() | depth.keys()}
 
 
+def home_engine(keys: AffinityKeys, ready: Sequence[int]) -> int | None:
+    """The engine every ingress replica sends content to that it has not routed before: rendezvous
+    hashing of the request's first image key (else its first prefix block) over the ready engines.
+
+    Each ingress replica keeps its own table (no state is shared, no call is added), so without a
+    common first choice two replicas would send the same new image to different engines half of the
+    time, and each would then keep its repeats there. Hashing the content with each engine's index
+    (the same `engines` list in every replica) gives them all the same choice; when that engine is
+    out, only its keys move. None: the request has nothing to key on."""
+    if keys.images:
+        key = keys.images[0]
+    elif keys.prefix_blocks:
+        key = keys.prefix_blocks[0].to_bytes(8, "little", signed=True)
+    else:
+        return None
+    return max(ready, key=lambda i: hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=8).digest())
+
+
 def choose_engine(
-    ready: Sequence[int], loads: Sequence[int], routed: Sequence[int], affine: dict[int, tuple[int, int]], max_imbalance: int
+    ready: Sequence[int],
+    loads: Sequence[int],
+    routed: Sequence[int],
+    affine: dict[int, tuple[int, int]],
+    max_imbalance: int,
+    home: int | None = None,
 ) -> int:
-    """The ready engine with the best affinity among those within the imbalance bound; else the least loaded.
+    """Among the engines within the imbalance bound: the one with the best affinity; else the content's
+    home engine (`home_engine`); else the least loaded.
 
     `loads[i]` is engine i's load; `routed[i]` how many requests it was given, which breaks ties
     in load so that new content spreads over idle engines instead of always taking the first.
@@ -126,4 +150,6 @@ def choose_engine(
     within = [i for i in ready if i in affine and loads[i] <= least + max_imbalance]
     if within:
         return max(within, key=lambda i: (affine[i], -loads[i]))
+    if home is not None and loads[home] <= least + max_imbalance:
+        return home
     return min(ready, key=lambda i: (loads[i], routed[i], i))

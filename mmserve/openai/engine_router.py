@@ -5,7 +5,9 @@ a dead or starting engine is skipped without a round trip per request. An engine
 requests in flight from this router plus the requests waiting in the engine's queue as of its
 last scheduler stats (what a full KV cache or batch turns into). Among ready engines the one that
 recently served the request's images or its longest prompt prefix wins if its load is within the
-configured bound of the least-loaded engine's (`engine_affinity.py`); otherwise the least loaded.
+configured bound of the least-loaded engine's (`engine_affinity.py`); for content this router has not
+routed, the engine its hash names, the same in every ingress replica, within that bound; otherwise the
+least loaded.
 How engine clients and the preprocessor are reached (Ray Serve handles) is the deployment's
 business (`deployments/router.py`): this class sees them through `EngineConnection` and `Preprocessing`.
 """
@@ -25,7 +27,7 @@ from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
 from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused
 from mmserve.wire import EngineCoreRequest
 
-from .engine_affinity import AffinityKeys, AffinityTable, affinity_keys, choose_engine, image_key
+from .engine_affinity import AffinityKeys, AffinityTable, affinity_keys, choose_engine, home_engine, image_key
 from .settings import RoutingSettings
 
 logger = logging.getLogger("ray.serve")
@@ -155,7 +157,8 @@ class EngineRouter:
     def _choose(self, ready: list[int], keys: AffinityKeys | None) -> int:
         loads = [self.load(i) for i in range(len(self._engines))]
         affine = self.affinity.affine_engines(keys) if keys is not None else {}
-        index = choose_engine(ready, loads, self._routed, affine, self._routing.max_imbalance)
+        home = home_engine(keys, ready) if keys is not None else None
+        index = choose_engine(ready, loads, self._routed, affine, self._routing.max_imbalance, home)
         if keys is not None:
             self.affinity.record(keys, index)
         self._routed[index] += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import subprocess
+from pathlib import Path
 
 import pytest
 from ray import serve
@@ -26,19 +27,24 @@ def _start_builtin(port: int) -> subprocess.Popen:
     )
 
 
-def test_repeated_images_and_prefixes_go_to_the_engine_that_served_them(serve_instance):
+@pytest.mark.parametrize("ingress_replicas", [1, 2])
+def test_repeated_images_and_prefixes_go_to_the_engine_that_served_them(serve_instance, ingress_replicas):
     """Six images and four long shared prompt prefixes, each sent four times in random order: the
     repeats land on the engine that served them first (which the engines' request counts show),
     both engines get new content, and every repeated image reaches an engine that already holds
-    it, so it is sent by hash only (the engine clients' skip-resend counts)."""
+    it, so it is sent by hash only (the engine clients' skip-resend counts). With two ingress
+    replicas (each with its own table, both taking requests: their request logs show it) too."""
+    import ray
+
     from tests.support.vllm_engines import free_tcp_port
 
-    name = "routing-affinity"
+    name = f"routing-affinity-{ingress_replicas}"
     ports = [free_tcp_port(), free_tcp_port()]
     procs = [_start_builtin(p) for p in ports]
     try:
         app = deploy_app(serve_instance, name, {"engines": [f"tcp://127.0.0.1:{p}" for p in ports],
-                                              "served_model_name": BUILTIN, "routing": {"max_imbalance": 2}})
+                                              "served_model_name": BUILTIN, "routing": {"max_imbalance": 2},
+                                              "ingress_replicas": ingress_replicas})
         wait_for(lambda: all(app.engine_info(i).state == "ready" for i in (0, 1)), 60, "both engines ready")
         client = app.openai()
         images = [image_uri(48 + 8 * k, 40, seed=k) for k in range(6)]
@@ -68,6 +74,9 @@ def test_repeated_images_and_prefixes_go_to_the_engine_that_served_them(serve_in
         assert set(first.values()) == {0, 1}  # new content spreads over both engines
         skipped = sum(app.engine_info(i).mm_items_skipped for i in (0, 1))
         assert skipped == image_repeats_to_first >= 0.9 * 18
+        logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+        answered = [p.read_text(errors="replace").count('"endpoint":"chat"') for p in logs_dir.glob(f"replica_{name}_Ingress_*.log")]
+        assert sum(answered) == len(work) and len([n for n in answered if n > 0]) == ingress_replicas, answered
     finally:
         for p in procs:
             if p.poll() is None:

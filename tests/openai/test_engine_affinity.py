@@ -250,3 +250,70 @@ def test_long_image_references_are_keyed_by_a_sample_that_still_tells_images_apa
     assert same is not a and image_key(same) == image_key(a) != image_key(b)
     assert image_key(a + "A") != image_key(a)  # the length counts
     assert image_key("data:short") != image_key("data:shorT")
+
+
+def test_two_ingress_replicas_send_repeats_to_the_same_engine():
+    """Issue 20: two ingress replicas (two routers, each with its own table and its own view of the load)
+    over the same two engines, a stream of overlapping requests for 40 images and 20 shared prefixes,
+    each request taken by either replica at random: ≥ 90 % of repeats reach the engine the content went
+    to first, whichever replica sent it there, and no choice breaks a router's load bound."""
+    bound = routing_settings().max_imbalance
+    rng = random.Random(11)
+    served_by: dict[str, int] = {}
+    violations: list[tuple[int, int]] = []
+
+    def replica() -> tuple[EngineRouter, list[Engine]]:
+        engines: list[Engine] = []
+
+        def check_bound(chosen: int) -> None:
+            loads = [router.load(e.name) - (e.name == chosen) for e in engines]
+            if loads[chosen] > min(loads) + bound:
+                violations.append((loads[chosen], min(loads)))
+
+        engines += [Engine(0, check_bound), Engine(1, check_bound)]
+        router = _router(engines)
+        return router, engines
+
+    replicas = [replica(), replica()]
+    prefixes = [_prefix(2000 + j, 2) for j in range(20)]
+    first_engine: dict[str, int] = {}
+    outcomes = {"repeats": 0, "to_first": 0}
+
+    async def one(n: int, content: str, tokens: list[int], images: PendingImages | None) -> None:
+        router, engines = replicas[rng.randrange(2)]
+        await _send(router, tokens, images, request_id=str(n))
+        served = next(e.name for e in engines if any(r.request_id == str(n) for r in e.requests))
+        served_by[str(n)] = served
+        if content in first_engine:
+            outcomes["repeats"] += 1
+            outcomes["to_first"] += served == first_engine[content]
+        else:
+            first_engine[content] = served
+
+    async def stream() -> None:
+        tasks = []
+        for n in range(600):
+            for _, engines in replicas:
+                for engine in engines:
+                    engine.delay_s = rng.uniform(0.005, 0.04)
+            if rng.random() < 0.5:
+                k = rng.randrange(40)
+                content, tokens, images = f"image{k}", [7] * 40, _images(f"data:image/png;base64,IMAGE{k}")
+            else:
+                k = rng.randrange(20)
+                content, images = f"prefix{k}", None
+                tokens = prefixes[k] + [rng.randrange(1, 50_000) for _ in range(rng.randrange(1, 300))]
+            tasks.append(asyncio.create_task(one(n, content, tokens, images)))
+            await asyncio.sleep(rng.uniform(0, 0.0015))
+            if content not in first_engine:
+                await tasks[-1]
+        await asyncio.gather(*tasks)
+
+    asyncio.run(stream())
+    share = outcomes["to_first"] / outcomes["repeats"]
+    per_engine = [sum(1 for e in served_by.values() if e == i) for i in (0, 1)]
+    print(f"two replicas: repeats to their first engine {outcomes['to_first']}/{outcomes['repeats']} = {share:.1%}; per engine {per_engine}")
+    assert outcomes["repeats"] >= 500
+    assert share >= 0.90
+    assert violations == []
+    assert min(per_engine) >= 150
