@@ -244,6 +244,7 @@ class EngineClientServer:
             requests_sent=self.client.adds.requests_sent,
             engine_running=stats.num_running_reqs if (stats := self.client.scheduler_stats) else None,
             engine_waiting=stats.num_waiting_reqs if stats else None,
+            engine_kv_cache_usage=stats.kv_cache_usage if stats else None,
             mm_items_skipped=self.client.adds.items_skipped,
             mm_cache_miss_resends=self.client.adds.cache_miss_resends,
         )

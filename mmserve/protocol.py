@@ -105,6 +105,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # The engine's own request counts, as of its last scheduler stats (None: none received).
     engine_running: int | None = None
     engine_waiting: int | None = None
+    engine_kv_cache_usage: float | None = None
     # Images sent by hash only (the engine held them); requests resent after an engine cache miss.
     mm_items_skipped: int = 0
     mm_cache_miss_resends: int = 0

@@ -198,6 +198,10 @@ class RoutingConfig(BaseModel):
     max_imbalance: int = Field(default=8, ge=0)
     # Image keys and 128-token prefix blocks remembered per ingress replica (LRU).
     affinity_entries: int = Field(default=65536, ge=1)
+    # An engine whose KV cache is at least this full (its scheduler stats' usage) counts as
+    # max_imbalance + 1 requests busier than it is: running requests hold its blocks, so new work
+    # there would wait or preempt, and its cached prefixes are about to be evicted.
+    kv_cache_full: float = Field(default=0.9, gt=0, le=1)
 
 
 class PreprocessorDeploymentConfig(BaseModel):

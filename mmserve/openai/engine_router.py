@@ -3,7 +3,8 @@
 Engine state comes from each engine client's `info()`, refreshed at most once per interval, so
 a dead or starting engine is skipped without a round trip per request. An engine's load is the
 requests in flight from this router plus the requests waiting in the engine's queue as of its
-last scheduler stats (what a full KV cache or batch turns into). Among ready engines the one that
+last scheduler stats (what a full KV cache or batch turns into), plus, while those stats show its
+KV cache nearly full, enough to put it past the imbalance bound. Among ready engines the one that
 recently served the request's images or its longest prompt prefix wins if its load is within the
 configured bound of the least-loaded engine's (`engine_affinity.py`); for content this router has not
 routed, the engine its hash names, the same in every ingress replica, within that bound; otherwise the
@@ -150,9 +151,13 @@ class EngineRouter:
         return [i for i, info in enumerate(self._infos) if _is_ready(info)]
 
     def load(self, index: int) -> int:
-        """Requests in flight from this router on the engine, plus those queued in the engine."""
+        """Requests in flight from this router on the engine, plus those queued in the engine, plus
+        `max_imbalance + 1` when its KV cache is full (`routing.kv_cache_full`)."""
         info = self._infos[index]
-        return self._in_flight[index] + ((info.engine_waiting or 0) if info is not None else 0)
+        if info is None:
+            return self._in_flight[index]
+        kv_full = info.engine_kv_cache_usage is not None and info.engine_kv_cache_usage >= self._routing.kv_cache_full
+        return self._in_flight[index] + (info.engine_waiting or 0) + (self._routing.max_imbalance + 1 if kv_full else 0)
 
     def _choose(self, ready: list[int], keys: AffinityKeys | None) -> int:
         loads = [self.load(i) for i in range(len(self._engines))]

@@ -44,6 +44,8 @@ class RoutingSettings:
     max_imbalance: int
     # Keys (image digests and prefix blocks) remembered, least recently used evicted first.
     affinity_entries: int
+    # KV-cache usage at or above which an engine counts max_imbalance + 1 requests busier.
+    kv_cache_full: float
 
 
 @dataclass(frozen=True)

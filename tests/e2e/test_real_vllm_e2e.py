@@ -248,6 +248,9 @@ def test_client_disconnect_leaves_no_running_request(vllm_app):
                 wait_for(lambda: info().requests_sent == sent + 1, 30, "ADD sent")
                 mid_stream = paused_mid_stream(sock)
                 assert not mid_stream or info().num_in_flight == 1
+                if mid_stream:  # the engine's last scheduler stats: the request running, its KV blocks held (routing)
+                    stats = info()
+                    assert stats.engine_running == 1 and 0 < stats.engine_kv_cache_usage < 1, stats
             finally:
                 reset(sock)
             wait_for(lambda: info().num_in_flight == 0, 10, "the gateway let the request go")

@@ -9,7 +9,9 @@ import pytest
 
 from mmserve.engine import EngineDeadError
 from mmserve.multimodal import ImageBatchRequest, PixelMode
-from mmserve.openai.engine_affinity import PREFIX_BLOCK_TOKENS, AffinityKeys, AffinityTable, affinity_keys, choose_engine, image_key
+from mmserve.openai.engine_affinity import (
+    PREFIX_BLOCK_TOKENS, AffinityKeys, AffinityTable, affinity_keys, choose_engine, home_engine, image_key,
+)
 from mmserve.openai.engine_router import EngineRouter, PendingImages
 from mmserve.protocol import EngineEvent, EngineInfo
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
@@ -44,7 +46,7 @@ class Engine:
     """An engine connection: a state, an optional scheduler queue, a delay per request."""
 
     def __init__(self, name: int, on_generate=None) -> None:
-        self.name, self.state, self.waiting = name, "ready", None
+        self.name, self.state, self.waiting, self.kv_usage = name, "ready", None, None
         self.fail: BaseException | None = None
         self.delay_s = 0.0
         self.on_generate = on_generate
@@ -52,7 +54,7 @@ class Engine:
 
     async def info(self) -> EngineInfo:
         return EngineInfo(state=self.state, builtin=True, handshake_address="tcp://x:1", max_model_len=100_000,
-                          engine_waiting=self.waiting)
+                          engine_waiting=self.waiting, engine_kv_cache_usage=self.kv_usage)
 
     def close(self) -> None:
         pass
@@ -160,6 +162,31 @@ def test_the_engines_queue_counts_as_load():
     first.waiting = 2  # two queued: past the bound
     asyncio.run(_send(router, [1], _images("data:a")))
     assert (len(first.requests), len(other.requests)) == (2, 1)
+
+
+def test_an_engine_with_a_full_kv_cache_counts_as_past_the_bound():
+    """KV-cache usage at `routing.kv_cache_full` or above: the engine holding the content (or the one its
+    hash names) loses it to the other, as if its load were past the bound; below, it keeps it. With both
+    full, the load decides again."""
+    engines = [Engine(0), Engine(1)]
+    router = _router(engines, max_imbalance=1, kv_cache_full=0.9)
+    asyncio.run(_send(router, [1], _images("data:a")))
+    first = engines[0] if engines[0].requests else engines[1]
+    other = engines[1 - first.name]
+    first.kv_usage, other.kv_usage = 0.89, 0.1
+    asyncio.run(_send(router, [1], _images("data:a")))
+    assert (len(first.requests), len(other.requests)) == (2, 0)
+    first.kv_usage = 0.9
+    asyncio.run(_send(router, [1], _images("data:a")))
+    assert (len(first.requests), len(other.requests)) == (2, 1)
+    assert router.load(first.name) == 0 + 1 + 1  # nothing in flight, max_imbalance + 1
+    # New content whose hash names the full engine goes to the other too.
+    fresh = next(f"data:b{k}" for k in range(100) if home_engine(affinity_keys([], [image_key(f"data:b{k}")]), [0, 1]) == first.name)
+    asyncio.run(_send(router, [1], _images(fresh)))
+    assert (len(first.requests), len(other.requests)) == (2, 2)
+    first.kv_usage = other.kv_usage = 0.95  # both full: the same penalty, the load (and affinity) decide
+    asyncio.run(_send(router, [1], _images("data:a")))
+    assert len(first.requests) + len(other.requests) == 5
 
 
 def test_the_longest_shared_prefix_wins():

@@ -53,9 +53,11 @@ def test_routing_settings_reach_the_router_and_bad_values_are_refused():
     from mmserve.openai.settings import RoutingSettings
 
     assert dataclasses.asdict(serving_settings(AppConfig()).routing) == RoutingConfig().model_dump()
-    config = AppConfig.model_validate({"routing": '{"affinity": false, "max_imbalance": 0, "affinity_entries": 5}'})  # as from the CLI
-    assert serving_settings(config).routing == RoutingSettings(affinity=False, max_imbalance=0, affinity_entries=5)
-    for bad in ({"max_imbalance": -1}, {"affinity_entries": 0}, {"affinity_weight": 1}):
+    config = AppConfig.model_validate(
+        {"routing": '{"affinity": false, "max_imbalance": 0, "affinity_entries": 5, "kv_cache_full": 0.5}'}  # as from the CLI
+    )
+    assert serving_settings(config).routing == RoutingSettings(affinity=False, max_imbalance=0, affinity_entries=5, kv_cache_full=0.5)
+    for bad in ({"max_imbalance": -1}, {"affinity_entries": 0}, {"affinity_weight": 1}, {"kv_cache_full": 0}, {"kv_cache_full": 1.5}):
         with pytest.raises(pydantic.ValidationError):
             AppConfig.model_validate({"routing": bad})
     with pytest.raises(pydantic.ValidationError):
