@@ -10,7 +10,7 @@ installs). Prints, per replica, the functions with the most samples on top of th
 and the functions of this repository with the most samples anywhere on the stack (inclusive), as
 shares of all samples. With `--images`, each request is issue 16's image chat instead (a distinct
 640×480 JPEG data URI, 8 tokens out) and the Preprocessor replica is sampled too. Not a test; run it
-alone on the machine.
+alone on the machine. `--concurrency 0` profiles the idle replicas (what their own periodic work costs).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import psutil  # noqa: E402
 REPLICAS = {"Ingress": ":Ingress", "EngineClient0": ":EngineClient0"}
 IMAGE_REPLICAS = {**REPLICAS, "Preprocessor": ":Preprocessor"}
 OUR_PACKAGES = ("mmserve/", "deployments/", "serve_app/")
+SAMPLE_RATE = 200
 BODY = {
     "model": "mmserve-builtin", "stream": True, "max_tokens": 64, "ignore_eos": True, "temperature": 0,
     "messages": [{"role": "user", "content": "Describe a quiet river at morning, with the bridge, the market and the tower."}],
@@ -73,6 +74,18 @@ def replica_pid(marker: str) -> int:
         if any("ServeReplica" in part and marker in part for part in proc.info["cmdline"] or []):
             return proc.pid
     raise RuntimeError(f"no replica process matching {marker!r}")
+
+
+def busy_samples(raw: Path) -> tuple[int, int]:
+    """(all samples, samples with this repository's code on the stack): py-spy leaves idle threads
+    out, so at `--rate` samples per second these are CPU time."""
+    total = ours = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if count.isdigit():
+            total += int(count)
+            ours += int(count) if any(f"({package}" in stack for package in OUR_PACKAGES) else 0
+    return total, ours
 
 
 def top_frames(raw: Path, top: int) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
@@ -115,7 +128,7 @@ def main() -> None:
         for name, marker in replicas.items():
             raw = tmp / f"{name}.txt"
             spies[name] = (raw, subprocess.Popen(
-                [str(fb.GATEWAY_VENV_BIN / "py-spy"), "record", "--format", "raw", "--rate", "200", "--nonblocking",
+                [str(fb.GATEWAY_VENV_BIN / "py-spy"), "record", "--format", "raw", "--rate", str(SAMPLE_RATE), "--nonblocking",
                  "--duration", str(int(args.seconds)), "--pid", str(replica_pid(marker)), "--output", str(raw)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             ))
@@ -126,6 +139,9 @@ def main() -> None:
                 f"c={args.concurrency} in {args.seconds + 1:g} s (built-in engine)."]
     for name, (raw, _) in spies.items():
         own, ours = top_frames(raw, args.top)
+        busy, busy_ours = busy_samples(raw)
+        sections.append(f"\n{name}: {busy / SAMPLE_RATE / args.seconds:.4f} cores busy in Python, of which this repository's "
+                        f"code {busy_ours / SAMPLE_RATE / args.seconds:.5f} ({busy} and {busy_ours} samples at {SAMPLE_RATE}/s)")
         sections += [f"\n#### {name}: top functions by self samples\n", "| share | function (file) |", "|---:|---|"]
         sections += [f"| {share:.1%} | `{frame}` |" for frame, share in own]
         sections += [f"\n#### {name}: this repository's functions by inclusive samples\n", "| share | function (file) |", "|---:|---|"]
