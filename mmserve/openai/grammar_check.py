@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
+import logging
 import sys
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +31,7 @@ INSTALL_HINT = f"pip install --no-deps xgrammar=={XGRAMMAR_VERSION} (README's qu
 REGEX_TIMEOUT_S = 5.0
 
 _ALIAS = "_mmserve_xgrammar"
+logger = logging.getLogger("ray.serve")
 
 
 class GrammarRejected(ValueError):
@@ -56,6 +59,12 @@ def _grammar_class() -> Any:
     # The order of xgrammar's own `__init__`: the native library, its error types, then the parser.
     importlib.import_module(f"{_ALIAS}.load_binding")
     importlib.import_module(f"{_ALIAS}.exception")
+    installed = importlib.metadata.version("xgrammar")
+    if installed != XGRAMMAR_VERSION:
+        logger.warning(
+            "xgrammar %s is installed, vLLM 0.32's engines run %s: specs may be judged differently "
+            "from the engine (%s)", installed, XGRAMMAR_VERSION, INSTALL_HINT,
+        )
     return importlib.import_module(f"{_ALIAS}.grammar").Grammar
 
 
