@@ -93,10 +93,12 @@ class _VllmProcess:
             os.close(fd)
             log_path = Path(name)
         self.log_path = Path(log_path)
-        # vLLM's IPC socket files, which a killed engine leaves behind: removed with the process.
+        # vLLM's IPC socket files, which a killed engine leaves behind, and (as the engine's TMPDIR) the
+        # file store of its torch.distributed set-up (`vllm_dist_*`, never removed by vLLM): removed
+        # with the process. Benchmarks (`as_users_run`) leave vLLM's temporary files where users get them.
         self._ipc_dir = tempfile.mkdtemp(prefix="vllm_ipc_")
-        executor = {} if as_users_run else WORKER_IN_ENGINE_CORE
-        self._env = vllm_env(**{"VLLM_RPC_BASE_PATH": self._ipc_dir, **executor, **(env or {})})
+        private = {} if as_users_run else {**WORKER_IN_ENGINE_CORE, "TMPDIR": self._ipc_dir}
+        self._env = vllm_env(**{"VLLM_RPC_BASE_PATH": self._ipc_dir, **private, **(env or {})})
         self._proc: subprocess.Popen | ZygoteChild | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------

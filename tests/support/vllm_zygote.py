@@ -104,6 +104,7 @@ def _child(request: dict, multiprocessing) -> None:
         os.close(null)
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # the child's temporary files follow its own TMPDIR, not the zygote's
         os.chdir(request["cwd"])
         argv = request["argv"]
         if argv[0] == "offline-reference":
