@@ -159,6 +159,11 @@ class SamplingRequestFields(BaseModel):
     # vLLM extension refused with a 400 (not implemented here).
     truncate_prompt_tokens: int | None = None
 
+    @property
+    def has_structured_outputs(self) -> bool:
+        """A constraint (or a `response_format`) to check: parsed by the grammar compiler, off the event loop."""
+        return self.structured_outputs is not None or self.response_format is not None
+
 
 class ChatCompletionRequest(SamplingRequestFields):
     messages: list[ChatMessage] = Field(min_length=1)

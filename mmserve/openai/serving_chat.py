@@ -31,6 +31,7 @@ from .sse import event_stream, sse, started
 from .choice_output import ChoiceOutput
 from .output_parsing import OutputParsing, output_parsing, reasoning_ended
 from .stream_chunks import DeltaChunks
+from .structured_outputs import structured_outputs
 from .tool_calls import engine_tool_constraints, tool_call_plan
 
 
@@ -56,11 +57,14 @@ class ChatServing:
         prompt_logprobs = request_checks.prompt_logprobs(
             request, context.settings.limits.max_logprobs, context.inputs.tokenizer.vocab_size, limits.engine_kind
         )
+        structured = await context.inputs.off_loop(structured_outputs, request) if request.has_structured_outputs else None
         prepared = context.inputs.prepare(
-            request, prompt_ids, max_tokens, "chatcmpl", limits, num_images=num_images,
+            request, prompt_ids, max_tokens, "chatcmpl", limits, structured, num_images=num_images,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
-        if tool_plan is not None and (changed := engine_tool_constraints(request, tool_plan, prepared.sampling.structured_outputs)):
+        if tool_plan is not None and (
+            changed := await context.inputs.off_loop(engine_tool_constraints, request, tool_plan, structured)
+        ):
             prepared.skip_special_tokens = prepared.sampling.skip_special_tokens = changed[0]
             prepared.sampling.structured_outputs = changed[1]
         parsing = output_parsing(request, tool_plan, context.reasoning, prompt_ids)

@@ -24,6 +24,7 @@ from .protocol import (
 from .serving_common import ServingContext, prompt_logprobs_response
 from .sse import event_stream, sse, started
 from .stream_chunks import DeltaChunks
+from .structured_outputs import structured_outputs
 
 
 class CompletionServing:
@@ -47,8 +48,9 @@ class CompletionServing:
         # `echo` with max_tokens=0 answers the prompt alone; the engine still makes one token, as vLLM's does.
         echo_only = bool(request.echo) and request.max_tokens == 0
         # The completions API shows every top entry of each token (see logprobs.completion_tokens).
+        structured = await context.inputs.off_loop(structured_outputs, request) if request.has_structured_outputs else None
         prepared = context.inputs.prepare(
-            request, prompt_ids, 1 if echo_only else request.max_tokens, "cmpl", limits,
+            request, prompt_ids, 1 if echo_only else request.max_tokens, "cmpl", limits, structured,
             logprobs=logprobs, shown_logprobs=-1, prompt_logprobs=prompt_logprobs,
         )
         prepared.attach(record)

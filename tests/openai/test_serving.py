@@ -216,3 +216,33 @@ def test_with_a_reasoning_parser_the_answer_is_split_into_reasoning_and_content(
 def test_a_reasoning_parser_whose_tags_the_tokenizer_lacks_stops_the_server_at_start():
     with pytest.raises(ValueError, match="needs <think> and </think> as tokens"):
         OpenAIServer(serving_settings(AppConfig.model_validate({"reasoning_parser": "deepseek_r1"})), ScriptedRouter([]))
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+def test_structured_outputs_are_parsed_off_the_event_loop(monkeypatch, endpoint):
+    """The grammar compiler's parse (up to ≈40 ms for a 256 KiB grammar, 5 s for a regex) runs in the
+    prompt pool: the event loop keeps serving other streams meanwhile; its refusal is still a 400."""
+    from mmserve.openai import grammar_check
+    import threading
+
+    seen: list[str] = []
+    real = grammar_check.check_ebnf
+
+    def recording(grammar: str) -> None:
+        seen.append(threading.current_thread().name)
+        real(grammar)
+
+    monkeypatch.setattr(grammar_check, "check_ebnf", recording)
+    server = _server(ScriptedRouter([_tokens(_server(ScriptedRouter([])), "a")[0]]))
+    body = {"model": server.model_name, "max_tokens": 1, "structured_outputs": {"grammar": 'root ::= "a"'}}
+
+    def send(fields: dict):
+        if endpoint == "chat":
+            return asyncio.run(server.chat(ChatCompletionRequest.model_validate({**body, **fields, "messages": [{"role": "user", "content": "hi"}]})))
+        return asyncio.run(server.completion(CompletionRequest.model_validate({**body, **fields, "prompt": "hi"})))
+
+    assert send({}).choices[0].finish_reason == "length"
+    assert seen and all(name.startswith("mmserve-prompt") for name in seen), seen
+    with pytest.raises(OpenAIError) as refused:
+        send({"structured_outputs": {"grammar": "root ::= b"}})
+    assert refused.value.status == 400 and refused.value.param == "structured_outputs"
