@@ -61,8 +61,8 @@ def affinity_keys(prompt_token_ids: Sequence[int], image_keys: Sequence[bytes] =
     blocks: list[int] = []
     chained = 0
     for end in range(PREFIX_BLOCK_TOKENS, len(prompt_token_ids) + 1, PREFIX_BLOCK_TOKENS):
-        # Python's hash of a tuple of ints is not randomised per process, and one router only
-        # ever compares its own hashes.
+        # Python's hash of a tuple of ints is not randomised per process: every ingress replica
+        # (the same Python everywhere in a cluster) gets the same hashes, which `home_engine` relies on.
         chained = hash((chained, tuple(prompt_token_ids[end - PREFIX_BLOCK_TOKENS : end])))
         blocks.append(chained)
     return AffinityKeys(images, tuple(blocks))
