@@ -51,9 +51,23 @@ async def _wait(predicate, timeout_s: float, what: str):
     raise AssertionError(f"{what}: not within {timeout_s} s")
 
 
+_STARTED: list[EngineSupervisor] = []
+
+
+@pytest.fixture(autouse=True)
+async def _stop_every_supervisor():
+    """A failing test still stops what it started: a fake engine left running keeps its supervisor
+    waiting on it in the session loop's default executor, which hangs the whole run at its end."""
+    yield
+    while _STARTED:
+        await _STARTED.pop().stop()
+
+
 def _supervisor(mode: str, caplog=None, **policy) -> EngineSupervisor:
     log = logging.getLogger("test.engine")
-    return EngineSupervisor([sys.executable, "-c", FAKE_ENGINE, mode], policy=RestartPolicy(**policy), log=log)
+    sup = EngineSupervisor([sys.executable, "-c", FAKE_ENGINE, mode], policy=RestartPolicy(**policy), log=log)
+    _STARTED.append(sup)
+    return sup
 
 
 async def test_stop_leaves_no_process_even_a_child_that_ignores_sigterm(caplog):
@@ -61,9 +75,10 @@ async def test_stop_leaves_no_process_even_a_child_that_ignores_sigterm(caplog):
     sup = _supervisor("run", stop_timeout_s=2.0)
     sup.start()
     tree = await _wait(lambda: len(sup.tree()) == 2 and sup.tree(), 20, "engine and child running")
-    await _wait(lambda: "engine up" in caplog.text, 10, "output forwarded to the log")
+    # The engine's own line (the logged command line holds the words "engine up" too, not a path).
+    printed = await _wait(lambda: re.search(r"socket file (/\S+)", caplog.text), 10, "output forwarded to the log")
     assert all(_alive(pid) for pid in tree)
-    ipc = Path(re.search(r"socket file (/\S+)", caplog.text).group(1))
+    ipc = Path(printed.group(1))
     assert ipc.exists() and ipc.parent.name.startswith("mmserve-engine-")
     await sup.stop()
     await _wait(lambda: not any(_alive(pid) for pid in tree), 5, "tree gone")
