@@ -80,6 +80,46 @@ def _prefix(seed: int, blocks: int) -> list[int]:
     return [rng.randrange(1, 50_000) for _ in range(blocks * PREFIX_BLOCK_TOKENS)]
 
 
+def _stream_of_repeats(replicas: list[tuple[EngineRouter, list[Engine]]], rng: random.Random, prefixes: list[list[int]]) -> tuple[int, int]:
+    """600 overlapping requests for 40 images and 20 shared prefixes, repeated at random, each taken by
+    one of the `replicas` (a router and its engine connections; drawn at random when there are several).
+    Answers (repeats, repeats that reached the engine their content went to first)."""
+    first_engine: dict[str, int] = {}
+    outcomes = {"repeats": 0, "to_first": 0}
+
+    async def one(n: int, content: str, tokens: list[int], images: PendingImages | None) -> None:
+        router, engines = replicas[rng.randrange(len(replicas))] if len(replicas) > 1 else replicas[0]
+        await _send(router, tokens, images, request_id=str(n))
+        served = next(e.name for e in engines if any(r.request_id == str(n) for r in e.requests))
+        if content in first_engine:
+            outcomes["repeats"] += 1
+            outcomes["to_first"] += served == first_engine[content]
+        else:
+            first_engine[content] = served
+
+    async def stream() -> None:
+        tasks = []
+        for n in range(600):
+            for _, engines in replicas:
+                for engine in engines:
+                    engine.delay_s = rng.uniform(0.005, 0.04)
+            if rng.random() < 0.5:
+                k = rng.randrange(40)
+                content, tokens, images = f"image{k}", [7] * 40, _images(f"data:image/png;base64,IMAGE{k}")
+            else:
+                k = rng.randrange(20)
+                content, images = f"prefix{k}", None
+                tokens = prefixes[k] + [rng.randrange(1, 50_000) for _ in range(rng.randrange(1, 300))]
+            tasks.append(asyncio.create_task(one(n, content, tokens, images)))
+            await asyncio.sleep(rng.uniform(0, 0.0015))
+            if content not in first_engine:
+                await tasks[-1]  # the first request with some content is routed first
+        await asyncio.gather(*tasks)
+
+    asyncio.run(stream())
+    return outcomes["repeats"], outcomes["to_first"]
+
+
 @pytest.mark.parametrize("bound", [4, routing_settings().max_imbalance])
 def test_repeated_images_and_prefixes_stay_on_their_first_engine_within_the_load_bound(bound):
     """Issue 11's routing criterion: a stream of overlapping requests (≈8 in flight), 40 images
@@ -98,43 +138,11 @@ def test_repeated_images_and_prefixes_stay_on_their_first_engine_within_the_load
 
     engines += [Engine(0, check_bound), Engine(1, check_bound)]
     router = _router(engines, max_imbalance=bound)
-    rng = random.Random(7)
-    prefixes = [_prefix(1000 + j, 2) for j in range(20)]
-    first_engine: dict[str, int] = {}
-    outcomes = {"repeats": 0, "to_first": 0}
-
-    async def one(n: int, content: str, tokens: list[int], images: PendingImages | None) -> None:
-        await _send(router, tokens, images, request_id=str(n))
-        served = next(e.name for e in engines if any(r.request_id == str(n) for r in e.requests))
-        if content in first_engine:
-            outcomes["repeats"] += 1
-            outcomes["to_first"] += served == first_engine[content]
-        else:
-            first_engine[content] = served
-
-    async def stream() -> None:
-        tasks = []
-        for n in range(600):
-            for engine in engines:
-                engine.delay_s = rng.uniform(0.005, 0.04)
-            if rng.random() < 0.5:
-                k = rng.randrange(40)
-                content, tokens, images = f"image{k}", [7] * 40, _images(f"data:image/png;base64,IMAGE{k}")
-            else:
-                k = rng.randrange(20)
-                content, images = f"prefix{k}", None
-                tokens = prefixes[k] + [rng.randrange(1, 50_000) for _ in range(rng.randrange(1, 300))]
-            tasks.append(asyncio.create_task(one(n, content, tokens, images)))
-            await asyncio.sleep(rng.uniform(0, 0.0015))
-            if content not in first_engine:
-                await tasks[-1]  # the first request with some content is routed first
-        await asyncio.gather(*tasks)
-
-    asyncio.run(stream())
-    share = outcomes["to_first"] / outcomes["repeats"]
-    print(f"repeats to their first engine: {outcomes['to_first']}/{outcomes['repeats']} = {share:.1%}; "
+    repeats, to_first = _stream_of_repeats([(router, engines)], random.Random(7), [_prefix(1000 + j, 2) for j in range(20)])
+    share = to_first / repeats
+    print(f"repeats to their first engine: {to_first}/{repeats} = {share:.1%}; "
           f"requests per engine: {[len(e.requests) for e in engines]}; mean in flight {sum(in_flight) / len(in_flight):.1f}")
-    assert outcomes["repeats"] >= 500
+    assert repeats >= 500
     assert share >= 0.90
     assert violations == []
     assert all(len(e.requests) >= 150 for e in engines)  # both engines serve: the content spreads
@@ -285,8 +293,6 @@ def test_two_ingress_replicas_send_repeats_to_the_same_engine():
     each request taken by either replica at random: ≥ 90 % of repeats reach the engine the content went
     to first, whichever replica sent it there, and no choice breaks a router's load bound."""
     bound = routing_settings().max_imbalance
-    rng = random.Random(11)
-    served_by: dict[str, int] = {}
     violations: list[tuple[int, int]] = []
 
     def replica() -> tuple[EngineRouter, list[Engine]]:
@@ -302,45 +308,11 @@ def test_two_ingress_replicas_send_repeats_to_the_same_engine():
         return router, engines
 
     replicas = [replica(), replica()]
-    prefixes = [_prefix(2000 + j, 2) for j in range(20)]
-    first_engine: dict[str, int] = {}
-    outcomes = {"repeats": 0, "to_first": 0}
-
-    async def one(n: int, content: str, tokens: list[int], images: PendingImages | None) -> None:
-        router, engines = replicas[rng.randrange(2)]
-        await _send(router, tokens, images, request_id=str(n))
-        served = next(e.name for e in engines if any(r.request_id == str(n) for r in e.requests))
-        served_by[str(n)] = served
-        if content in first_engine:
-            outcomes["repeats"] += 1
-            outcomes["to_first"] += served == first_engine[content]
-        else:
-            first_engine[content] = served
-
-    async def stream() -> None:
-        tasks = []
-        for n in range(600):
-            for _, engines in replicas:
-                for engine in engines:
-                    engine.delay_s = rng.uniform(0.005, 0.04)
-            if rng.random() < 0.5:
-                k = rng.randrange(40)
-                content, tokens, images = f"image{k}", [7] * 40, _images(f"data:image/png;base64,IMAGE{k}")
-            else:
-                k = rng.randrange(20)
-                content, images = f"prefix{k}", None
-                tokens = prefixes[k] + [rng.randrange(1, 50_000) for _ in range(rng.randrange(1, 300))]
-            tasks.append(asyncio.create_task(one(n, content, tokens, images)))
-            await asyncio.sleep(rng.uniform(0, 0.0015))
-            if content not in first_engine:
-                await tasks[-1]
-        await asyncio.gather(*tasks)
-
-    asyncio.run(stream())
-    share = outcomes["to_first"] / outcomes["repeats"]
-    per_engine = [sum(1 for e in served_by.values() if e == i) for i in (0, 1)]
-    print(f"two replicas: repeats to their first engine {outcomes['to_first']}/{outcomes['repeats']} = {share:.1%}; per engine {per_engine}")
-    assert outcomes["repeats"] >= 500
+    repeats, to_first = _stream_of_repeats(replicas, random.Random(11), [_prefix(2000 + j, 2) for j in range(20)])
+    share = to_first / repeats
+    per_engine = [sum(len(engines[i].requests) for _, engines in replicas) for i in (0, 1)]
+    print(f"two replicas: repeats to their first engine {to_first}/{repeats} = {share:.1%}; per engine {per_engine}")
+    assert repeats >= 500
     assert share >= 0.90
     assert violations == []
     assert min(per_engine) >= 150
