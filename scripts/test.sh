@@ -35,7 +35,6 @@ run_part() {  # run_part NAME PYTHON MARKEXPR ARGS...; sets RC and PART_S (PART_
 minutes() { printf "%d:%02d" $(($1 / 60)) $(($1 % 60)); }
 
 REFERENCE_LOG=$(mktemp)
-trap 'rm -f "$REFERENCE_LOG" "$REFERENCE_LOG.ready" "$REFERENCE_LOG.status"' EXIT
 # The reference venv, then the reference part at a lower priority, beside all that follows; its output
 # is shown when it ends. "$REFERENCE_LOG.ready" holds the venv's set-up time (or "failed").
 (

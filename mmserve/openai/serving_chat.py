@@ -62,9 +62,12 @@ class ChatServing:
             request, prompt_ids, max_tokens, "chatcmpl", limits, structured, num_images=num_images,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
-        if tool_plan is not None and (
-            changed := await context.inputs.off_loop(engine_tool_constraints, request, tool_plan, structured)
-        ):
+        changed = None
+        if tool_plan is not None and tool_plan.mode in ("none", "null"):  # nothing to compile: no thread hop
+            changed = engine_tool_constraints(request, tool_plan, structured)
+        elif tool_plan is not None:
+            changed = await context.inputs.off_loop(engine_tool_constraints, request, tool_plan, structured)
+        if changed:
             prepared.skip_special_tokens = prepared.sampling.skip_special_tokens = changed[0]
             prepared.sampling.structured_outputs = changed[1]
         parsing = output_parsing(request, tool_plan, context.reasoning, prompt_ids)
