@@ -47,7 +47,7 @@ class ChoiceOutput:
         self.parsing = parsing
         self.tools = parsing.tools
         self.tool_parser = None if parsing.tools is None else parsing.tools.parser()
-        self.reasoning: ReasoningParser | None = None if parsing.reasoning is None else parsing.reasoning.parser()
+        self.reasoning: ReasoningParser | None = parsing.reasoning_parser()
         # Streaming state, vLLM's `StreamState`: the ids so far are kept only while reasoning lasts.
         self._reasoning_ended = parsing.prompt_ended_reasoning
         self._previous_ids: list[int] = []
@@ -99,17 +99,27 @@ class ChoiceOutput:
     # ------------------------------------------------------------------ streams
 
     def delta(self, delta_text: str, delta_token_ids: list[int], finished: bool) -> MessageDelta | None:
-        """vLLM's `parse_delta` (its parsers are not engine-based): the delta a chunk shows, or None."""
+        """vLLM's `DelegatingParser.parse_delta`: the delta a chunk shows, or None."""
         message: MessageDelta | None = None
         transitioned = False
         reasoning = self.reasoning
         if reasoning is not None and not self._reasoning_ended:
             message = reasoning.extract_reasoning_streaming(delta_text, self._previous_ids, delta_token_ids)
-            if reasoning.is_reasoning_end_streaming(self._previous_ids, delta_token_ids):
+            if reasoning.engine_based:
+                ended = reasoning.has_engine_confirmed_reasoning_end()
+            else:
+                ended = reasoning.is_reasoning_end_streaming(self._previous_ids, delta_token_ids)
+            if ended:
                 self._reasoning_ended = transitioned = True
                 self._previous_ids = []
-                # What follows the end tag in this delta is where the tool-call parser starts.
-                delta_text = (message.content if message is not None else None) or ""
+                # What follows the end in this delta is where the tool-call parser starts; an engine-based
+                # parser gives up what it held back (a partial terminal, whitespace) now, as it is not fed again.
+                delta_text = _text(message)
+                if reasoning.engine_based:
+                    delta_text += _text(reasoning.finish_streaming())
+                    if self.tools is None and delta_text:  # no tool phase to read it: content now
+                        message = message if message is not None else MessageDelta()
+                        message.content = delta_text
             else:
                 self._previous_ids += delta_token_ids
         in_tool_phase = self.tools is not None and self._reasoning_ended
@@ -123,6 +133,8 @@ class ChoiceOutput:
                     message.reasoning = reasoning_of_this_delta
         elif message is None and not transitioned and self._reasoning_ended:
             message = MessageDelta.of_content(delta_text)
+        if finished and reasoning is not None and reasoning.engine_based and not self._reasoning_ended:
+            message = _merged(message, reasoning.finish_streaming())
         if message is not None and not self.parsing.include_reasoning:
             message.reasoning = None  # vLLM sets it to null: a chunk then shows `"reasoning": null`
             if not message.content and not message.tool_calls:
@@ -151,6 +163,24 @@ class ChoiceOutput:
         if self.tools_streamed and self.tools is not None and self.tools.mode != "named" and finish_reason == "stop":
             return "tool_calls"
         return finish_reason
+
+
+def _text(delta: MessageDelta | None) -> str:
+    """A delta's content, "" when it has none."""
+    return delta.content if delta is not None and isinstance(delta.content, str) else ""
+
+
+def _merged(message: MessageDelta | None, flushed: MessageDelta | None) -> MessageDelta | None:
+    """vLLM's `_flush_engine_parsers`: what the parser held back, appended to the stream's last delta."""
+    if flushed is None:
+        return message
+    if message is None:
+        return flushed
+    if _text(flushed):
+        message.content = _text(message) + _text(flushed)
+    if isinstance(flushed.reasoning, str) and flushed.reasoning:
+        message.reasoning = (message.reasoning if isinstance(message.reasoning, str) else "") + flushed.reasoning
+    return message
 
 
 __all__ = ["UNSET", "ChoiceOutput", "WholeAnswer"]

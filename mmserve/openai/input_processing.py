@@ -72,6 +72,8 @@ class PreparedRequest:
     top_logprobs: int | None = None
     # `EngineCoreRequest.reasoning_ended` (chat with a reasoning parser, or `include_reasoning: false`).
     reasoning_ended: bool | None = None
+    # `EngineCoreRequest.reasoning_parser_kwargs` (chat with a reasoning parser).
+    reasoning_parser_kwargs: dict[str, Any] | None = None
     # Preprocessing under way (its response is never resolved in the ingress), None for text only.
     images: PendingImages | None = None
     # Timings and counts for metrics and the request's log line.

@@ -133,7 +133,7 @@ class OutputProcessor:
         prompt_logprobs = None if prepared.sampling.prompt_logprobs is None else PromptLogprobsCollector(self.token_strings)
         engine_request = child_request(
             prepared.request_id, prepared.prompt_token_ids, prepared.sampling, prepared.n, index,
-            prepared.record.arrival_time, prepared.reasoning_ended,
+            prepared.record.arrival_time, prepared.reasoning_ended, prepared.reasoning_parser_kwargs,
         )
         engine_stream = self.engines.generate(engine_request, prepared.images)
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -21,9 +21,10 @@ T = TypeVar("T")
 
 def child_request(
     request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, n: int, index: int, arrival_time: float,
-    reasoning_ended: bool | None = None,
+    reasoning_ended: bool | None = None, reasoning_parser_kwargs: dict[str, Any] | None = None,
 ) -> EngineCoreRequest:
-    """The engine request of choice `index` out of `n` (`reasoning_ended`: `output_parsing.reasoning_ended`)."""
+    """The engine request of choice `index` out of `n` (`reasoning_ended`: `output_parsing.reasoning_ended`;
+    `reasoning_parser_kwargs`: set with a reasoning parser, see `serving_chat`)."""
     if n > 1:
         request_id = f"{index}_{request_id}"
         if sampling.seed is not None:
@@ -39,6 +40,7 @@ def child_request(
         cache_salt=None,
         data_parallel_rank=None,
         reasoning_ended=reasoning_ended,
+        reasoning_parser_kwargs=reasoning_parser_kwargs,
     )
 
 

@@ -72,6 +72,10 @@ class ChatServing:
             prepared.sampling.structured_outputs = changed[1]
         parsing = output_parsing(request, tool_plan, context.reasoning, prompt_ids)
         prepared.reasoning_ended = reasoning_ended(request, parsing)
+        if parsing is not None and parsing.reasoning is not None:
+            prepared.reasoning_parser_kwargs = {"chat_template_kwargs": parsing.reasoning_kwargs}
+            if parsing.reasoning.engine_based:  # vLLM's parser-engine `adjust_request`
+                prepared.skip_special_tokens = prepared.sampling.skip_special_tokens = False
         prepared.attach(record, num_images=num_images)
         if image_urls:
             prepared.images = context.router.preprocess(

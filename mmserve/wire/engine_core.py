@@ -47,8 +47,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     """Mirrors `vllm.v1.engine.EngineCoreRequest` (array-like; the first nine are required).
 
     Trailing fields after `data_parallel_rank` keep vLLM's order; only the ones we may set
-    are spelled out (with those before them), everything after `reasoning_ended` is left to the
-    engine's defaults.
+    are spelled out (with those before them), everything after `reasoning_parser_kwargs` is left
+    to the engine's defaults.
     """
 
     request_id: str
@@ -71,6 +71,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Where an engine with a reasoning parser starts applying structured outputs: True from the first
     # token, False after the reasoning ends, None: the engine reads the prompt (vLLM's default).
     reasoning_ended: bool | None = None
+    # What an engine with a reasoning parser builds the request's parser with: `{"chat_template_kwargs":
+    # ...}` (Qwen3's `enable_thinking`), None without a reasoning parser.
+    reasoning_parser_kwargs: dict[str, Any] | None = None
 
 
 class EngineCoreEvent(msgspec.Struct):

@@ -176,11 +176,11 @@ def test_logprobs_are_refused_on_the_built_in_engine_and_checked_against_max_log
     assert request_checks.prompt_logprobs(prompt_request, -1, 1000, "vllm") == -1
 
 
-def _reasoning_server(router: ScriptedRouter, tmp_path) -> OpenAIServer:
+def _reasoning_server(router: ScriptedRouter, tmp_path, parser: str = "deepseek_r1") -> OpenAIServer:
     from tests.support.tiny_models import write_think_tokenizer_files
 
     model_dir = write_think_tokenizer_files(tmp_path / "model")
-    config = AppConfig.model_validate({"model": str(model_dir), "served_model_name": "m", "reasoning_parser": "deepseek_r1"})
+    config = AppConfig.model_validate({"model": str(model_dir), "served_model_name": "m", "reasoning_parser": parser})
     return OpenAIServer(serving_settings(config), router)
 
 
@@ -211,6 +211,31 @@ def test_with_a_reasoning_parser_the_answer_is_split_into_reasoning_and_content(
     assert "".join(d.get("reasoning") or "" for d in deltas) == "Two and two."
     assert "".join(d.get("content") or "" for d in deltas) == "Four."
     assert json.loads(events[-2].removeprefix("data: "))["usage"]["completion_tokens_details"] == {"reasoning_tokens": reasoning_tokens}
+
+
+def test_qwen3_keeps_special_tokens_and_tells_the_engine_whether_the_request_thinks(tmp_path):
+    """vLLM's parser-engine `adjust_request` turns `skip_special_tokens` off (the grammar drops or names
+    them); the engine gets the template kwargs the parser was built with (`reasoning_parser_kwargs`)."""
+    router = ScriptedRouter([])
+    server = _reasoning_server(router, tmp_path, "qwen3")
+    router.tokens = _tokens(server, "Two and two.</think>Four.")
+    chat = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 32, "skip_special_tokens": True}
+    message = asyncio.run(server.chat(ChatCompletionRequest.model_validate(chat))).choices[0].message
+    assert (message.reasoning, message.content) == ("Two and two.", "Four.")
+    sent = router.requests[-1]
+    assert sent.sampling_params.skip_special_tokens is False
+    assert sent.reasoning_parser_kwargs == {"chat_template_kwargs": {"add_generation_prompt": True, "continue_final_message": False}}
+    assert sent.reasoning_ended is False  # the prompt opens no reasoning, and qwen3 waits for it to end
+
+    not_thinking = {**chat, "chat_template_kwargs": {"enable_thinking": False}}
+    message = asyncio.run(server.chat(ChatCompletionRequest.model_validate(not_thinking))).choices[0].message
+    assert (message.reasoning, message.content) == (None, "Two and two.</think>Four.")
+    sent = router.requests[-1]
+    assert sent.reasoning_parser_kwargs["chat_template_kwargs"]["enable_thinking"] is False and sent.reasoning_ended is True
+
+    deepseek = _reasoning_server(router, tmp_path / "deepseek")
+    asyncio.run(deepseek.chat(ChatCompletionRequest.model_validate(chat)))
+    assert router.requests[-1].sampling_params.skip_special_tokens is True
 
 
 def test_a_reasoning_parser_whose_tags_the_tokenizer_lacks_stops_the_server_at_start():

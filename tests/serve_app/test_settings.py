@@ -84,6 +84,7 @@ def test_the_reasoning_parser_reaches_the_ingress_and_an_unknown_one_is_refused(
     import pytest
 
     assert serving_settings(AppConfig()).reasoning_parser is None
-    assert serving_settings(AppConfig.model_validate({"reasoning_parser": "deepseek_r1"})).reasoning_parser == "deepseek_r1"
-    with pytest.raises(pydantic.ValidationError, match="unknown reasoning_parser 'qwen3'; this server has \\['deepseek_r1'\\]"):
-        AppConfig.model_validate({"reasoning_parser": "qwen3"})
+    for name in ("deepseek_r1", "qwen3"):
+        assert serving_settings(AppConfig.model_validate({"reasoning_parser": name})).reasoning_parser == name
+    with pytest.raises(pydantic.ValidationError, match="unknown reasoning_parser 'qwen'; this server has \\['deepseek_r1', 'qwen3'\\]"):
+        AppConfig.model_validate({"reasoning_parser": "qwen"})

@@ -32,9 +32,10 @@ WEIGHT_STD = 0.2
 THINK_TOKENS = ("<think>", "</think>")
 
 
-def write_think_tokenizer_files(dest: Path) -> Path:
+def write_think_tokenizer_files(dest: Path, extra_tokens: tuple[str, ...] = ()) -> Path:
     """The built-in model's files, its tokenizer with `<think>` and `</think>` added as Qwen3 adds them
-    (plain added tokens, not special, after the last added token): for the reasoning parser's tests."""
+    (plain added tokens, not special, after the last added token): for the reasoning parser's tests.
+    `extra_tokens` are added after them the same way (Qwen3's `<tool_call>` and `</tool_call>`)."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     for path in BUILTIN_MODEL_DIR.iterdir():
@@ -43,7 +44,7 @@ def write_think_tokenizer_files(dest: Path) -> Path:
     tokenizer = json.loads((dest / "tokenizer.json").read_text())
     config = json.loads((dest / "tokenizer_config.json").read_text())
     next_id = max(t["id"] for t in tokenizer["added_tokens"]) + 1
-    for offset, content in enumerate(THINK_TOKENS):
+    for offset, content in enumerate(THINK_TOKENS + tuple(extra_tokens)):
         token = {"id": next_id + offset, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
                  "normalized": False, "special": False}  # fmt: skip
         tokenizer["added_tokens"].append(token)

@@ -91,13 +91,19 @@ def captured() -> list:
     router = CapturingRouter()
     server = OpenAIServer(serving_settings(AppConfig()), router)
 
+    # With a reasoning parser the request also carries its `reasoning_parser_kwargs` (the field after
+    # `reasoning_ended`) and keeps the special tokens (an engine-based parser's `adjust_request`).
+    with_reasoning = OpenAIServer(serving_settings(AppConfig.model_validate({"reasoning_parser": "qwen3"})), router)
+
     async def run_all() -> None:
         for body in CHAT_BODIES:
             await server.chat(ChatCompletionRequest.model_validate(body))
         await server.completion(CompletionRequest.model_validate({"prompt": [1, 2, 3], "max_tokens": 4, "seed": 5}))
+        body = {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False, "x": [1]}, "reasoning_effort": "low"}
+        await with_reasoning.chat(ChatCompletionRequest.model_validate(body))
 
     asyncio.run(run_all())
-    assert len(router.requests) == len(CHAT_BODIES) + 2  # n=2 fans out into two engine requests
+    assert len(router.requests) == len(CHAT_BODIES) + 3  # n=2 fans out into two engine requests
     return router.requests
 
 
@@ -111,6 +117,9 @@ def test_every_request_decodes_with_vllms_decoder_to_the_same_values(captured):
     encoder = RequestEncoder()
     decoder = serial.MsgpackDecoder(vllm_engine.EngineCoreRequest)
     assert {ours.reasoning_ended for ours in captured} == {None, True}
+    assert [ours.reasoning_parser_kwargs for ours in captured][-1] == {
+        "chat_template_kwargs": {"enable_thinking": False, "x": [1], "add_generation_prompt": True,
+                                 "continue_final_message": False, "reasoning_effort": "low"}}  # fmt: skip
     for ours in captured:
         frames = encoder.encode_add(ours)
         assert frames[0] == b"\x00"
@@ -121,6 +130,7 @@ def test_every_request_decodes_with_vllms_decoder_to_the_same_values(captured):
         assert theirs.data_parallel_rank is None and theirs.pooling_params is None and theirs.lora_request is None
         assert (theirs.client_index, theirs.current_wave, theirs.priority, theirs.resumable) == (ours.client_index, 0, 0, False)
         assert theirs.reasoning_ended == ours.reasoning_ended and theirs.external_req_id is None
+        assert theirs.reasoning_parser_kwargs == ours.reasoning_parser_kwargs
         sp, mine = theirs.sampling_params, ours.sampling_params
         for field in msgspec.structs.fields(mine):
             value = getattr(mine, field.name)

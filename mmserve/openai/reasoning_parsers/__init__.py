@@ -1,18 +1,31 @@
 """Reasoning parsers: the model's text → reasoning and content, as vLLM 0.32's parsers of the same name
 split it (`--reasoning-parser NAME`), for the answer's `reasoning` field.
 
-One module per family of parsers; `REASONING_PARSERS` is the registry a model's config names one from.
-Partial: only the think-tag parser `deepseek_r1` (vLLM's `qwen3` runs on its parser engine and is not
-served here).
+One module per family of parsers: `think_tags.py` (`deepseek_r1`: vLLM's `<think>` tag parsers) and
+`qwen3.py` (vLLM's `qwen3`, a grammar run by its parser engine: `grammar.py`, `parser_engine.py`, `lexer.py`
+and `token_id_scanner.py`). `REASONING_PARSERS` is the registry a model's config names one from: each
+entry binds its parser to a model's tokenizer.
 """
 
 from __future__ import annotations
 
-from .base import ReasoningParser
-from .think_tags import DeepSeekR1ReasoningParser, ThinkTagReasoningParser
+from collections.abc import Callable
 
-REASONING_PARSERS: dict[str, type[ThinkTagReasoningParser]] = {
-    "deepseek_r1": DeepSeekR1ReasoningParser,
+from mmserve.text import Tokenizer
+
+from .base import ReasoningParser, ReasoningSetup
+from .qwen3 import Qwen3ReasoningSetup
+from .think_tags import DeepSeekR1ReasoningParser, ThinkTagReasoningParser, ThinkTagReasoningSetup
+
+REASONING_PARSERS: dict[str, Callable[[Tokenizer], ReasoningSetup]] = {
+    "deepseek_r1": lambda tokenizer: ThinkTagReasoningSetup(DeepSeekR1ReasoningParser, "deepseek_r1", tokenizer),
+    "qwen3": Qwen3ReasoningSetup,
 }
 
-__all__ = ["REASONING_PARSERS", "DeepSeekR1ReasoningParser", "ReasoningParser", "ThinkTagReasoningParser"]
+__all__ = [
+    "REASONING_PARSERS",
+    "DeepSeekR1ReasoningParser",
+    "ReasoningParser",
+    "ReasoningSetup",
+    "ThinkTagReasoningParser",
+]

@@ -2,12 +2,14 @@
 delta so split. Each class names the vLLM 0.32 class it mirrors (`vllm.reasoning`).
 
 A parser instance serves one choice of one request; the think-tag parsers keep no state of their own (the
-stream's token ids so far are passed in, as vLLM passes them).
+stream's token ids so far are passed in, as vLLM passes them); the engine-based ones (`parser_engine.py`)
+keep theirs. A `ReasoningSetup` is one parser bound to a model's tokenizer, made once per model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 from ..message_delta import MessageDelta
 
@@ -31,6 +33,11 @@ class ReasoningParser:
     """vLLM's `ReasoningParser`, for the parsers served here (one per choice, built with the ids of the
     tokens it looks for in the model's vocabulary)."""
 
+    # vLLM's `engine_based_streaming`: False, the stream's reasoning ends on a delta with the end token;
+    # True, it ends when `has_engine_confirmed_reasoning_end()`, and `finish_streaming()` gives what the
+    # parser still holds (see `parser_engine.py`).
+    engine_based = False
+
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         raise NotImplementedError
 
@@ -48,3 +55,25 @@ class ReasoningParser:
 
     def count_reasoning_tokens(self, token_ids: Sequence[int]) -> int:
         raise NotImplementedError
+
+    def has_engine_confirmed_reasoning_end(self) -> bool:
+        raise NotImplementedError
+
+    def finish_streaming(self) -> MessageDelta | None:
+        raise NotImplementedError
+
+
+class ReasoningSetup(Protocol):
+    """A reasoning parser bound to one model's tokenizer (a configuration error is raised when it is made)."""
+
+    name: str
+
+    @property
+    def engine_based(self) -> bool:
+        """Its parsers are engine-based: vLLM's `adjust_request` then turns `skip_special_tokens` off for
+        every request, so that the parser sees the special tokens it names or drops."""
+        ...
+
+    def parser(self, chat_template_kwargs: dict[str, Any] | None = None) -> ReasoningParser:
+        """A parser for one choice; `chat_template_kwargs`: the request's, merged as vLLM merges them."""
+        ...

@@ -7,6 +7,9 @@ also takes a stream whose start tag is in the prompt (the chat template wrote it
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
+
+from mmserve.text import Tokenizer
 
 from ..message_delta import MessageDelta
 from .base import ReasoningParser, content_delta, reasoning_delta, split_delta
@@ -96,3 +99,24 @@ class DeepSeekR1ReasoningParser(ThinkTagReasoningParser):
         if self.end_token_id in previous_token_ids:
             return content_delta(delta_text)
         return reasoning_delta(delta_text)
+
+
+class ThinkTagReasoningSetup:
+    """A think-tag parser with the ids of its tags in the model's tokenizer, found once per model."""
+
+    engine_based = False
+
+    def __init__(self, parser_class: type[ThinkTagReasoningParser], name: str, tokenizer: Tokenizer) -> None:
+        start, end = tokenizer.token_to_id(parser_class.start_token), tokenizer.token_to_id(parser_class.end_token)
+        if start is None or end is None:
+            # vLLM fails every request then; found here at start.
+            raise ValueError(
+                f"reasoning_parser {name!r} needs {parser_class.start_token} and {parser_class.end_token} as tokens "
+                "of the model's tokenizer, and this tokenizer has no such tokens"
+            )
+        self.name = name
+        self.parser_class = parser_class
+        self.start_token_id, self.end_token_id = start, end
+
+    def parser(self, chat_template_kwargs: dict[str, Any] | None = None) -> ThinkTagReasoningParser:
+        return self.parser_class(self.start_token_id, self.end_token_id)
