@@ -262,7 +262,8 @@ class AppConfig(BaseModel):
     # tool_choice "auto" (the default with tools) allowed (vLLM's --enable-auto-tool-choice).
     enable_auto_tool_choice: bool = False
     # How the model marks its reasoning (vLLM's --reasoning-parser): "deepseek_r1" (<think>…</think>, the
-    # Qwen3 and DeepSeek-R1 families), split into the answer's `reasoning`; None: all of it is content.
+    # DeepSeek-R1 family) or "qwen3" (vLLM's Qwen3 grammar: thinking unless the request turns it off),
+    # split into the answer's `reasoning`; None: all of it is content.
     reasoning_parser: str | None = None
 
     @field_validator("reasoning_parser")
