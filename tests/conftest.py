@@ -369,8 +369,12 @@ def vllm_app(serve_instance: ServeInstance, session_vllm, tiny_qwen2_vl_dir) -> 
                 "served_model_name": TINY_MODEL_NAME,
                 "engines": [engine.handshake_address],
                 "handshake_timeout_s": 600,
-                # CPU engine on a 2-core machine shared with the tests: generous but bounded.
-                "health_check_timeout_s": 20,
+                # CPU engine on a 2-core machine shared with the tests: generous but bounded. 20 s was
+                # too short: with the own-cluster part installing the quick start beside it, the engine
+                # left a health check unanswered for over 20 s right after the client-disconnect test
+                # (the first logprobs request next), was declared hung, and as an external engine never
+                # came back, failing every later test on this app (also at fc46708); 90 s passes.
+                "health_check_timeout_s": 90,
                 # As the reference `vllm serve` (tests/support/session_vllm.py).
                 "tool_call_parser": TOOL_CALL_PARSER,
                 "enable_auto_tool_choice": True,
