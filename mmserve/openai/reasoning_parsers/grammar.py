@@ -54,7 +54,8 @@ class Transition:
 
 @dataclass(frozen=True)
 class ParserGrammar:
-    """vLLM's `ParserEngineConfig`, the fields its reasoning adapter reads."""
+    """vLLM's `ParserEngineConfig`, the fields its reasoning adapter reads for grammars like Qwen3's (one
+    that strips trailing reasoning whitespace, `strip_trailing_reasoning_whitespace`, is not served)."""
 
     name: str
     terminals: dict[str, str]
@@ -63,7 +64,6 @@ class ParserGrammar:
     initial_state: State
     wait_for_reasoning: bool | None
     turn_boundary_tokens: frozenset[str] = field(default_factory=frozenset)
-    strip_trailing_reasoning_whitespace: bool = True
 
     @property
     def waits_for_reasoning(self) -> bool:

@@ -178,7 +178,6 @@ class EngineReasoningParser(ReasoningParser):
     def _reset(self) -> None:
         self._engine.reset()
         self._reasoning_ended = not self._has_reasoning
-        self._deferred_reasoning = ""
 
     # ------------------------------------------------------------------ the prompt
 
@@ -207,8 +206,6 @@ class EngineReasoningParser(ReasoningParser):
         events = self._engine.feed(model_output, []) + self._engine.finish()
         reasoning = "".join(e.value for e in events if e.type is Event.REASONING_CHUNK)
         content = "".join(e.value for e in events if e.type is Event.TEXT_CHUNK)
-        if self.grammar.strip_trailing_reasoning_whitespace:
-            reasoning = reasoning.rstrip()
         return reasoning or None, content or None
 
     # ------------------------------------------------------------------ streams
@@ -221,7 +218,7 @@ class EngineReasoningParser(ReasoningParser):
         if not self._streaming_initialized:
             self._streaming_initialized = True
             self._reset()
-        return self._strip_trailing_reasoning(self._events_to_delta(self._engine.feed(delta_text, delta_token_ids)))
+        return self._events_to_delta(self._engine.feed(delta_text, delta_token_ids))
 
     def has_engine_confirmed_reasoning_end(self) -> bool:
         return self._reasoning_ended
@@ -252,22 +249,6 @@ class EngineReasoningParser(ReasoningParser):
             delta.content = content
         if reasoning:
             delta.reasoning = reasoning
-        return delta
-
-    def _strip_trailing_reasoning(self, delta: MessageDelta | None) -> MessageDelta | None:
-        """Trailing whitespace of the reasoning waits until more reasoning follows it (vLLM's
-        `_strip_trailing_reasoning`, for grammars that ask for it)."""
-        if not self.grammar.strip_trailing_reasoning_whitespace:
-            return delta
-        if delta is not None and isinstance(delta.reasoning, str):
-            combined = self._deferred_reasoning + delta.reasoning
-            trimmed = combined.rstrip()
-            self._deferred_reasoning = combined[len(trimmed) :]
-            delta.reasoning = trimmed or None
-            if delta.reasoning is None and not isinstance(delta.content, str) and not delta.tool_calls:
-                return None
-        elif self._deferred_reasoning and self._reasoning_ended:
-            self._deferred_reasoning = ""
         return delta
 
     # ------------------------------------------------------------------ usage

@@ -68,8 +68,7 @@ def qwen3_grammar(thinking: bool) -> ParserGrammar:
         initial_state=State.REASONING if thinking else State.CONTENT,
         wait_for_reasoning=thinking,
         turn_boundary_tokens=frozenset(("<|im_start|>", "<|im_end|>")),
-        strip_trailing_reasoning_whitespace=False,
-    )
+    )  # (vLLM's config also sets strip_trailing_reasoning_whitespace=False: what grammar.py serves)
 
 
 class Qwen3ReasoningSetup:
