@@ -98,6 +98,9 @@ class GrammarForTokenizer:
     end_token_id: int | None
     reasoning_end_token_ids: frozenset[int]
     turn_boundary_ids: frozenset[int]
+    # Read from the transitions once per model, not per parser (one per choice of every request).
+    tool_terminals: frozenset[str]
+    tool_exit_terminals: frozenset[str]
     decode_token: Callable[[int], str]
     decode: Callable[[list[int]], str]
 
@@ -126,6 +129,8 @@ class GrammarForTokenizer:
             turn_boundary_ids=frozenset(
                 token_id for text in grammar.turn_boundary_tokens if (token_id := tokenizer.token_to_id(text)) is not None
             ),
+            tool_terminals=grammar.tool_terminals(),
+            tool_exit_terminals=grammar.tool_exit_terminals(),
             decode_token=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
             decode=lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=False),
         )

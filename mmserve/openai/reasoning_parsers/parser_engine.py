@@ -43,8 +43,8 @@ class ReasoningEngine:
         self._scanner = TokenIDScanner(bound.terminal_of_id, bound.decode_token)
         self._lexer = IncrementalLexer(bound.lexer_shape)
         self._id_terminal_names = frozenset(bound.terminal_of_id.values())
-        self._tool_terminals = self.grammar.tool_terminals()
-        self._tool_exit_terminals = self.grammar.tool_exit_terminals()
+        self._tool_terminals = bound.tool_terminals
+        self._tool_exit_terminals = bound.tool_exit_terminals
         self.reset()
 
     def reset(self) -> None:
