@@ -35,19 +35,19 @@ def _workload(requests: int, seed: int) -> list[tuple[list[int], list[str]]]:
 def _run(work, engines: int, affinity: bool, seed: int) -> float:
     rng = random.Random(seed)
     table = AffinityTable(65_536)
-    routed = [0] * engines
-    ready = list(range(engines))
-    loads_seq = [[rng.randrange(0, 12) for _ in range(engines)] for _ in range(256)]
+    ready = [str(i) for i in range(engines)]  # engines as the router names them
+    routed = dict.fromkeys(ready, 0)
+    loads_seq = [{name: rng.randrange(0, 12) for name in ready} for _ in range(256)]
     start = time.process_time()
     for n, (prompt, urls) in enumerate(work):
         loads = loads_seq[n % 256]
         if affinity:
             keys = affinity_keys(prompt, [image_key(url) for url in urls])
-            index = choose_engine(ready, loads, routed, table.affine_engines(keys), 8, home_engine(keys, ready))
-            table.record(keys, index)
+            name = choose_engine(ready, loads, routed, table.affine_engines(keys), 8, home_engine(keys, ready))
+            table.record(keys, name)
         else:
-            index = choose_engine(ready, loads, routed, {}, 8)
-        routed[index] += 1
+            name = choose_engine(ready, loads, routed, {}, 8)
+        routed[name] += 1
     return (time.process_time() - start) / len(work) * 1e6
 
 

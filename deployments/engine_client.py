@@ -1,5 +1,9 @@
 """Engine-client deployment: one replica per vLLM engine, a thin shell over `EngineClient`.
 
+One deployment per engine (engines started elsewhere, or a fixed number), or one deployment whose
+replicas Serve scales, an engine each (an engine pool: `engine_pool.py`); calls to a pool name the
+replica they are for (`engine`).
+
 The replica binds the engine's ZMQ sockets and stays bound for its whole life, so the engine
 (a `vllm serve --headless` process, or the built-in engine this replica starts itself) can
 connect whenever it is ready. An engine that dies is replaced in place: a new engine client
@@ -24,21 +28,24 @@ from mmserve.engine.outputs import CallerChannel
 from mmserve.engine.frame_diagnostics import FrameTrace
 from mmserve.engine.output_link import OutputOutbox
 from mmserve.multimodal import ImagesRefused, ProcessedImages
-from mmserve.protocol import Admission, EngineInfo, OutputBatch, RequestFailed, RequestRefused, encode
+from mmserve.protocol import NOT_THIS_ENGINE, Admission, EngineInfo, OutputBatch, RequestFailed, RequestRefused, encode
 from mmserve.wire import EngineCoreRequest
 
 from .caller_watch import CallerWatch
 from .engine_client_server import EngineClientServer, EngineClientSettings
+from .engine_pool_autoscaling import ENGINE_REQUESTS_METRIC
 from .replica_logs import log_package_to_replica
 
 logger = logging.getLogger("ray.serve")
 
 
-def _replica_name() -> str:
+def _replica_ids() -> tuple[str, str]:
+    """This replica's full id (in admissions) and unique id (the `engine` calls to a pool name)."""
     try:
-        return serve.get_replica_context().replica_id.to_full_id_str()
+        replica_id = serve.get_replica_context().replica_id
     except Exception:  # not in a replica (tests)
-        return ""
+        return "", ""
+    return replica_id.to_full_id_str(), replica_id.unique_id
 
 
 def _node_id() -> str:
@@ -65,7 +72,7 @@ class EngineClientDeployment:
     async def __init__(self, settings: EngineClientSettings) -> None:
         log_package_to_replica()
         self.server = EngineClientServer(settings)
-        self.replica = _replica_name()
+        self.replica, self.engine_id = _replica_ids()
         self._channels: dict[str, CallerChannel] = {}
         self._subscribers: dict[str, asyncio.Task[Any]] = {}
         self._callers = CallerWatch(self._caller_gone)
@@ -79,12 +86,19 @@ class EngineClientDeployment:
             self._callers.watch(caller)
         return channel
 
-    async def subscribe(self, caller: str, inbox: str) -> AsyncIterator[bytes]:
+    def _mine(self, engine: str) -> bool:
+        """Whether a call naming `engine` (a pool replica's unique id; "" names none) is for this
+        replica: a call for a pool replica that was stopped reaches another (`deployments/engine_pool.py`)."""
+        return not engine or engine == self.engine_id
+
+    async def subscribe(self, caller: str, inbox: str, engine: str = "") -> AsyncIterator[bytes]:
         """The caller's output stream: one `OutputBatch` naming this replica, here; then, over ZMQ
         to the caller's `inbox` (see `mmserve.engine.output_link`), batches of its requests' outputs
         and failures, each as soon as the previous one is on its way. This call stays open as
         long as the link: it ends (and aborts the caller's requests) when the caller cancels it or
-        dies."""
+        dies. A stream meant for another replica ends at once."""
+        if not self._mine(engine):
+            return
         channel = self._channel(caller)
         task = asyncio.current_task()
         assert task is not None
@@ -104,10 +118,13 @@ class EngineClientDeployment:
                 await self._drop_caller(caller)
 
     async def add(
-        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None = None, caller: str = ""
+        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None = None, caller: str = "",
+        engine: str = "",
     ) -> bytes:
         """Send one request; its outputs travel on the caller's `subscribe` stream. Answers an
         encoded `Admission` (with this replica's name, which the caller checks its stream against)."""
+        if not self._mine(engine):
+            return encode(Admission(refused=RequestRefused(NOT_THIS_ENGINE, f"engine {engine} is gone (this is {self.engine_id})")))
         channel = self._channel(caller)
         if not channel.track(request.request_id):
             return encode(Admission(refused=RequestRefused("cancelled", "the caller aborted the request before it arrived")))
@@ -123,8 +140,10 @@ class EngineClientDeployment:
             await self.server.client.abort_quietly([request.request_id])
         return encode(msgspec.structs.replace(admission, replica=self.replica))
 
-    async def abort(self, request_ids: list[str], caller: str = "") -> None:
+    async def abort(self, request_ids: list[str], caller: str = "", engine: str = "") -> None:
         """The caller gave these requests up (its client left, a stop string matched)."""
+        if not self._mine(engine):
+            return  # (its engine is gone, and its requests with it)
         if (channel := self._channels.get(caller)) is not None:
             channel.aborted(request_ids)
         await self.server.client.abort_quietly(request_ids)
@@ -141,8 +160,14 @@ class EngineClientDeployment:
         else:
             await self._drop_caller(caller)
 
-    async def info(self) -> EngineInfo:
-        return await self.server.info()
+    async def info(self, engine: str = "") -> EngineInfo | None:
+        """This engine's state; None if the call was meant for another (stopped) pool replica."""
+        return await self.server.info() if self._mine(engine) else None
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric (engine pools, `deployments/engine_pool_autoscaling.py`):
+        the requests this engine holds, running or waiting in its scheduler."""
+        return {ENGINE_REQUESTS_METRIC: float(self.server.client.num_in_flight)}
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         return await self.server.call_utility(method, *args)

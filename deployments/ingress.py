@@ -121,11 +121,12 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 @serve.ingress(api)
 class Ingress:
     def __init__(
-        self, settings: ServingSettings, engines: list[DeploymentHandle], preprocessor: DeploymentHandle | None = None
+        self, settings: ServingSettings, engines: list[DeploymentHandle], preprocessor: DeploymentHandle | None = None,
+        engine_pool: DeploymentHandle | None = None,
     ) -> None:
         log_package_to_replica()
         self.settings = settings
-        self.router = engine_router(engines, preprocessor, settings.engine_wait_timeout_s, settings.routing)
+        self.router = engine_router(engines, engine_pool, preprocessor, settings.engine_wait_timeout_s, settings.routing)
         self.metrics = Metrics()
         send_request_log_to(logger)
         self.server = OpenAIServer(settings, self.router, self.metrics)
@@ -253,8 +254,7 @@ class Ingress:
     async def prometheus_metrics(self) -> Response:
         self.metrics.body_budget_held.set(self.budget.used)
         self.metrics.body_budget_limit.set(self.budget.limit)
-        for index, info in enumerate(await self.router.infos()):
-            engine = str(index)
+        for engine, info in (await self.router.infos()).items():
             self.metrics.engine_up.labels(engine).set(1 if info is not None and info.state == "ready" else 0)
             if info is not None:
                 self.metrics.engine_in_flight.labels(engine).set(info.num_in_flight)
@@ -272,9 +272,9 @@ class Ingress:
     async def health(self) -> Any:
         infos = await self.router.infos()
         engines = [
-            {"state": i.state if i else "unreachable", "builtin": i.builtin if i else None,
+            {"engine": name, "state": i.state if i else "unreachable", "builtin": i.builtin if i else None,
              "reason": i.death_reason if i else None, "in_flight": i.num_in_flight if i else None}
-            for i in infos
+            for name, i in infos.items()
         ]
         healthy = any(e["state"] == "ready" for e in engines)
         return JSONResponse({"status": "ok" if healthy else "unavailable", "engines": engines}, status_code=200 if healthy else 503)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 from ray import serve
 from ray.exceptions import RayError
@@ -21,10 +22,12 @@ from mmserve.engine import EngineDeadError, EngineNotReadyError
 from mmserve.engine.output_link import OutputInbox
 from mmserve.multimodal import ImageBatchRequest
 from mmserve.openai.engine_outputs import OutputDemux
-from mmserve.openai.engine_router import EngineRouter, ReplicaLostError
+from mmserve.openai.engine_router import EngineConnection, EngineRouter, EngineSource, ReplicaLostError, StaticEngines
 from mmserve.openai.settings import RoutingSettings
-from mmserve.protocol import Admission, EngineEvent, EngineInfo, GatewayBusyError, decode_admission, decode_output_batch
+from mmserve.protocol import NOT_THIS_ENGINE, Admission, EngineEvent, EngineInfo, GatewayBusyError, decode_admission, decode_output_batch
 from mmserve.wire import EngineCoreRequest
+
+from .engine_pool_members import pool_members
 
 logger = logging.getLogger("ray.serve")
 
@@ -34,35 +37,69 @@ RESUBSCRIBE_DELAY_S = 0.2
 
 
 def engine_router(
-    engines: list[DeploymentHandle], preprocessor: DeploymentHandle | None, wait_timeout_s: float, routing: RoutingSettings
+    engines: list[DeploymentHandle],
+    engine_pool: DeploymentHandle | None,
+    preprocessor: DeploymentHandle | None,
+    wait_timeout_s: float,
+    routing: RoutingSettings,
 ) -> EngineRouter:
-    """The ingress's router over these engine-client (and preprocessor) handles."""
+    """The ingress's router over these engine-client deployments (one engine each) or this engine
+    pool (one engine per replica, as many as Serve scales it to), and the preprocessor."""
     caller = _replica_name()
+    sources: list[EngineSource] = [StaticEngines([HandleEngineConnection(handle, caller) for handle in engines])]
+    if engine_pool is not None:
+        sources.append(EnginePoolMembers(engine_pool, caller))
     return EngineRouter(
-        [HandleEngineConnection(handle, caller) for handle in engines],
+        sources,
         preprocessor=HandlePreprocessing(preprocessor) if preprocessor is not None else None,
         wait_timeout_s=wait_timeout_s,
         routing=routing,
     )
 
 
-class HandleEngineConnection:
-    """One engine-client deployment, through its handle: requests go as one `add` call each; their
-    outputs come back over ZMQ to this replica's inbox, beside one long-lived `subscribe` call (see
-    `mmserve.protocol`), read by a background task and handed to each request by `OutputDemux`."""
+class EnginePoolMembers:
+    """The engines of a pool: one connection per replica, as the pool's request router in this
+    process last heard from Serve's controller (`deployments/engine_pool.py`). A replica that
+    leaves (scaled down, replaced) is dropped here; the `EngineRouter` drains it."""
 
     def __init__(self, handle: DeploymentHandle, caller: str | None) -> None:
+        # Options make the handle start its router now, which then hears of the replicas.
+        self.handle = handle.options(_by_reference=True)
+        self.caller = caller
+        self._members: tuple[str, ...] | None = None
+        self._connections: dict[str, HandleEngineConnection] = {}
+
+    def engines(self) -> Mapping[str, EngineConnection]:
+        members = pool_members(self.handle.app_name, self.handle.deployment_name)
+        if members is not self._members:
+            self._members = members
+            listed = set(members or ())
+            for engine in listed - self._connections.keys():
+                self._connections[engine] = HandleEngineConnection(self.handle, self.caller, engine=engine)
+            for engine in self._connections.keys() - listed:
+                del self._connections[engine]
+        return self._connections
+
+
+class HandleEngineConnection:
+    """One engine client through its deployment's handle: requests go as one `add` call each; their
+    outputs come back over ZMQ to this replica's inbox, beside one long-lived `subscribe` call (see
+    `mmserve.protocol`), read by a background task and handed to each request by `OutputDemux`.
+    For an engine pool, `engine` names the replica every call is for (`deployments/engine_pool.py`)."""
+
+    def __init__(self, handle: DeploymentHandle, caller: str | None, engine: str = "") -> None:
         # By reference, whatever Ray's defaults (RAY_SERVE_THROUGHPUT_OPTIMIZED makes calls by
         # value): the preprocessor's response is resolved in the engine client, never here.
         self.handle = handle.options(_by_reference=True)
         # This replica's actor name: engine clients abort our requests if we die.
         self.caller = caller or ""
+        self.engine = engine
         self.demux = OutputDemux()
         self._reader: asyncio.Task[None] | None = None
         self._aborts: set[asyncio.Task[None]] = set()
 
-    async def info(self) -> EngineInfo:
-        return await self.handle.info.remote()
+    async def info(self) -> EngineInfo | None:
+        return await _own_request(self.handle.info, engine=self.engine)
 
     def generate(self, request: EngineCoreRequest, images: object | None) -> "HandleEngineCall":
         if self._reader is None or self._reader.done():
@@ -82,7 +119,7 @@ class HandleEngineConnection:
 
     async def _abort(self, request_id: str) -> None:
         try:
-            await self.handle.abort.remote([request_id], self.caller)
+            await _own_request(self.handle.abort, [request_id], self.caller, engine=self.engine)
         except Exception as exc:  # the engine client is gone: its requests went with it
             logger.debug("abort of %s failed: %s", request_id, exc)
 
@@ -96,7 +133,8 @@ class HandleEngineConnection:
         try:
             while True:
                 try:
-                    async for item in self.handle.options(stream=True).subscribe.remote(self.caller, inbox.address):
+                    subscription = self.handle.options(stream=True).subscribe.remote(self.caller, inbox.address, engine=self.engine)
+                    async for item in subscription:
                         if (replica := decode_output_batch(item).replica) is not None:
                             self.demux.connected(replica)
                     error = ReplicaLostError("the engine client ended its output stream")
@@ -119,6 +157,8 @@ class HandleEngineConnection:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        # Requests still waiting for outputs from here would wait forever.
+        self.demux.lost(ReplicaLostError("the ingress closed its connection to this engine client"))
 
 
 class HandleEngineCall:
@@ -140,6 +180,8 @@ class HandleEngineCall:
             admission = await self._admit()
             if admission.refused is not None:
                 self._held = False
+                if admission.refused.kind == NOT_THIS_ENGINE:
+                    raise ReplicaLostError(admission.refused.message)
                 yield EngineEvent(refused=admission.refused)
                 return
             replica = connection.demux.replica
@@ -156,7 +198,8 @@ class HandleEngineCall:
             connection.demux.unregister(request_id)
 
     async def _send_add(self) -> Admission:
-        self._add = self.connection.handle.add.remote(self.request, self.images, self.connection.caller)
+        connection = self.connection
+        self._add = _own_request(connection.handle.add, self.request, self.images, connection.caller, engine=connection.engine)
         self._held = True  # until the answer says otherwise
         try:
             return decode_admission(await self._add)
@@ -203,6 +246,14 @@ class HandlePreprocessing:
     def process(self, request: ImageBatchRequest) -> DeploymentResponse:
         """Unawaited: Ray resolves it in the engine client, so the pixels never pass through the ingress."""
         return self.handle.process.remote(request)
+
+
+def _own_request(method: Any, *args: Any, **kwargs: Any) -> DeploymentResponse:
+    """`method.remote(*args, **kwargs)` as a Serve request of its own. Calls made while serving one
+    HTTP request inherit its request id, by which Serve's router hands the replica it chose to the
+    call it chose it for: an engine pool's calls, each meant for its own replica, made at once (the
+    engines' states, the children of `n` > 1) would be handed each other's replicas."""
+    return contextvars.Context().run(method.remote, *args, **kwargs)
 
 
 def _replica_name() -> str | None:

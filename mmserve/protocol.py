@@ -39,6 +39,11 @@ class RequestRefused(msgspec.Struct, frozen=True):
     retry_after_s: int | None = None
 
 
+# `RequestRefused.kind` of a call meant for another engine-pool replica (one that was stopped since
+# the caller chose it): the caller routes the request again; never shown to a client.
+NOT_THIS_ENGINE = "not_this_engine"
+
+
 class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
     """The answer to `add`: the request is with the engine (`accepted` for image requests, whose
     prompt grew), or it was refused (and nothing reached the engine)."""

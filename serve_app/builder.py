@@ -1,7 +1,8 @@
 """Application builder: `serve run serve_app:build_app key=value ...` or `serve_app:app`.
 
 Builds one engine-client deployment per engine (each a single replica: it owns that
-engine's sockets), the preprocessor for vision models, and the ingress, which holds their
+engine's sockets), or with `engine_pool` one engine-client deployment that Serve scales (a
+replica per engine), the preprocessor for vision models, and the ingress, which holds their
 handles; each gets its own plain settings (`settings.py`), never the whole `AppConfig`.
 """
 
@@ -32,7 +33,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     from mmserve.multimodal import load_image_family
     from mmserve.vision import resize_path
 
-    from .settings import engine_client_settings, preprocessor_scaling, preprocessor_settings, serving_settings
+    from .settings import engine_client_settings, engine_pool_scaling, preprocessor_scaling, preprocessor_settings, serving_settings
 
     config = AppConfig.model_validate(args or {})
     if os.environ.get(HA_PROXY_FLAG) != "1":
@@ -51,12 +52,20 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             "placement_group_bundles": [{"CPU": ENGINE_CLIENT_CPUS}, dict(config.engine_launch.resources)],
             "placement_group_strategy": "STRICT_PACK",
         }
-    engines = [
-        EngineClientDeployment.options(name=f"EngineClient{i}", ray_actor_options=actor_options, **placement).bind(
-            engine_client_settings(config, endpoint)
-        )
-        for i, endpoint in enumerate(config.engine_endpoints())
-    ]
+    engines = []
+    engine_pool = None
+    if (pool_scaling := engine_pool_scaling(config)) is not None:
+        # One deployment, one engine per replica (all alike: loopback addresses on random ports).
+        engine_pool = EngineClientDeployment.options(
+            name="EnginePool", ray_actor_options=actor_options, **placement, **pool_scaling.options()
+        ).bind(engine_client_settings(config, config.engine_endpoints()[0]))
+    else:
+        engines = [
+            EngineClientDeployment.options(name=f"EngineClient{i}", ray_actor_options=actor_options, **placement).bind(
+                engine_client_settings(config, endpoint)
+            )
+            for i, endpoint in enumerate(config.engine_endpoints())
+        ]
     preprocessor = None
     if load_image_family(config.model_dir) is not None:
         preprocessor = PreprocessorDeployment.options(**preprocessor_scaling(config).options()).bind(preprocessor_settings(config))
@@ -65,4 +74,4 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         logging.getLogger("ray.serve").info("mmserve image resize path: %s", resize_path())
     return Ingress.options(
         num_replicas=config.ingress_replicas, max_queued_requests=config.limits.ingress_max_queued_requests
-    ).bind(serving_settings(config), engines, preprocessor)
+    ).bind(serving_settings(config), engines, preprocessor, engine_pool)

@@ -113,6 +113,31 @@ class EngineLaunchConfig(BaseModel):
         )
 
 
+class EnginePoolConfig(BaseModel):
+    """Engines as the replicas of one deployment that Serve scales with their load: each replica
+    starts its engine (`engine_launch`'s, or the built-in engine) and owns it. The pool grows when
+    its engines hold more than `target_requests_per_engine` requests each (running or queued in their
+    schedulers) for `upscale_delay_s`, and shrinks when they hold fewer for `downscale_delay_s`; an
+    engine being taken away gets no new requests and is stopped once its streams have finished (at
+    most `drain_timeout_s`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_engines: int = Field(default=1, ge=1)
+    max_engines: int = Field(default=4, ge=1)
+    target_requests_per_engine: float = Field(default=16.0, gt=0)
+    upscale_delay_s: float = Field(default=10.0, ge=0)
+    downscale_delay_s: float = Field(default=60.0, ge=0)
+    look_back_period_s: float = Field(default=10.0, gt=0)
+    drain_timeout_s: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "EnginePoolConfig":
+        if self.max_engines < self.min_engines:
+            raise ValueError(f"max_engines ({self.max_engines}) is below min_engines ({self.min_engines})")
+        return self
+
+
 class LimitsConfig(BaseModel):
     """Request limits, all enforced before the expensive step they protect."""
 
@@ -237,6 +262,9 @@ class AppConfig(BaseModel):
     # Engines started by the application on Ray (instead of `engines`).
     engine_launch: EngineLaunchConfig | None = None
     builtin_engine: BuiltinEngineConfig = Field(default_factory=BuiltinEngineConfig)
+    # Engines (launched, or built-in) as one deployment Serve scales with their load; None: a fixed
+    # number of engines (`engine_launch.count`, one built-in engine, or `engines`).
+    engine_pool: EnginePoolConfig | None = None
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     images: ImagesConfig = Field(default_factory=ImagesConfig)
     preprocessor: PreprocessorDeploymentConfig = Field(default_factory=PreprocessorDeploymentConfig)
@@ -290,7 +318,7 @@ class AppConfig(BaseModel):
             return [{"handshake": v.strip()} if isinstance(v, str) else v for v in value]
         return value
 
-    @field_validator("builtin_engine", "limits", "images", "preprocessor", "routing", "engine_client_resources", "engine_launch", mode="before")
+    @field_validator("builtin_engine", "limits", "images", "preprocessor", "routing", "engine_client_resources", "engine_launch", "engine_pool", mode="before")
     @classmethod
     def _parse_json(cls, value: Any) -> Any:
         return json.loads(value) if isinstance(value, str) else value
@@ -308,6 +336,16 @@ class AppConfig(BaseModel):
                 "engine_client_resources does nothing with engine_launch: each engine client is placed with its "
                 "engine (engine_launch.resources); remove it"
             )
+        if self.engine_pool is not None:
+            if self.engines != BUILTIN:
+                raise ValueError(
+                    "engine_pool scales engines the application starts (engine_launch, or the built-in engine); "
+                    "engines started elsewhere are listed in engines, one engine client each"
+                )
+            if self.engine_launch is not None and "count" in self.engine_launch.model_fields_set:
+                raise ValueError("engine_launch.count does nothing with engine_pool (min_engines/max_engines); remove it")
+            if self.uses_builtin_engine and not self.builtin_engine.handshake.endswith(":0"):
+                raise ValueError("with engine_pool every built-in engine needs a port of its own: builtin_engine.handshake's port must be 0")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser: the parser that reads the calls")
         if "builtin_engine" in given and not self.uses_builtin_engine:

@@ -8,6 +8,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from deployments.engine_client_server import BuiltinEngineOptions, EngineClientSettings, EngineLaunchOptions
+from deployments.engine_pool import EnginePoolScaling
 from deployments.preprocessor import PreprocessorScaling, PreprocessorSettings
 from mmserve.engine import EngineAddresses
 from mmserve.engine.mm_cache import EngineCacheSettings
@@ -112,3 +113,7 @@ def preprocessor_settings(config: AppConfig) -> PreprocessorSettings:
 
 def preprocessor_scaling(config: AppConfig) -> PreprocessorScaling:
     return _same_fields(PreprocessorScaling, config.preprocessor)
+
+
+def engine_pool_scaling(config: AppConfig) -> EnginePoolScaling | None:
+    return _same_fields(EnginePoolScaling, config.engine_pool) if config.engine_pool is not None else None

@@ -218,6 +218,8 @@ def test_each_module_says_what_it_holds(module):
 # Methods called from outside the application's code (by operators, through a Serve handle).
 CALLED_FROM_OUTSIDE = {
     "deployments/engine_client.py::launcher_status": "the launched engine's process tree and restarts, for operators",
+    "deployments/engine_client.py::record_autoscaling_stats": "called by Ray Serve (an engine pool's custom autoscaling metric)",
+    "deployments/engine_pool.py::choose_replicas": "called by Ray Serve (the request-router API)",
 }
 
 

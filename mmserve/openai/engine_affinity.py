@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+# An engine as the router names it: the same name in every ingress replica (an engine-client
+# deployment's index, or an engine-pool replica's id), which `home_engine` relies on.
+EngineId = str
 
 # Tokens per prefix block: vLLM CPU's KV block size (GPU engines use 16, which 128 is a multiple
 # of, so a shared 128-token block is shared KV there too). Only full blocks are keyed, as vLLM
@@ -69,13 +73,13 @@ def affinity_keys(prompt_token_ids: Sequence[int], image_keys: Sequence[bytes] =
 
 
 class AffinityTable:
-    """Key → the engine (index) that first served it since it was last forgotten; a bounded LRU."""
+    """Key → the engine that first served it since it was last forgotten; a bounded LRU."""
 
     def __init__(self, max_entries: int) -> None:
         if max_entries < 1:
             raise ValueError("affinity_entries must be at least 1")
         self.max_entries = max_entries
-        self._engine_of: OrderedDict[bytes | int, int] = OrderedDict()
+        self._engine_of: OrderedDict[bytes | int, EngineId] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._engine_of)
@@ -83,7 +87,7 @@ class AffinityTable:
     def __contains__(self, key: bytes | int) -> bool:
         return key in self._engine_of
 
-    def record(self, keys: AffinityKeys, engine: int) -> None:
+    def record(self, keys: AffinityKeys, engine: EngineId) -> None:
         """`engine` was given the request. Keys another engine holds stay with it (only touched):
         a repeat sent elsewhere because its engine was past the bound goes back there once the
         load allows, instead of its content drifting between engines with the load."""
@@ -93,20 +97,20 @@ class AffinityTable:
         while len(self._engine_of) > self.max_entries:
             self._engine_of.popitem(last=False)
 
-    def forget_engine(self, engine: int) -> None:
+    def forget_engine(self, engine: EngineId) -> None:
         """An engine that died or restarted lost its caches: nothing should be routed to it for them."""
         for key in [k for k, e in self._engine_of.items() if e == engine]:
             del self._engine_of[key]
 
-    def affine_engines(self, keys: AffinityKeys) -> dict[int, tuple[int, int]]:
+    def affine_engines(self, keys: AffinityKeys) -> dict[EngineId, tuple[int, int]]:
         """Per engine holding any of the keys: (images it holds, prefix blocks it holds), its score."""
-        images: dict[int, int] = {}
+        images: dict[EngineId, int] = {}
         for key in keys.images:
             engine = self._engine_of.get(key)
             if engine is not None:
                 images[engine] = images.get(engine, 0) + 1
         # Block k's hash stands for the whole prefix up to it: per engine, the deepest hit.
-        depth: dict[int, int] = {}
+        depth: dict[EngineId, int] = {}
         for k, key in enumerate(keys.prefix_blocks):
             engine = self._engine_of.get(key)
             if engine is not None:
@@ -114,36 +118,36 @@ class AffinityTable:
         return {e: (images.get(e, 0), depth.get(e, 0)) for e in images.keys() | depth.keys()}
 
 
-def home_engine(keys: AffinityKeys, ready: Sequence[int]) -> int | None:
+def home_engine(keys: AffinityKeys, ready: Sequence[EngineId]) -> EngineId | None:
     """The engine every ingress replica sends content to that it has not routed before: rendezvous
     hashing of the request's first image key (else its first prefix block) over the ready engines.
 
     Each ingress replica keeps its own table (no state is shared, no call is added), so without a
     common first choice two replicas would send the same new image to different engines half of the
-    time, and each would then keep its repeats there. Hashing the content with each engine's index
-    (the same `engines` list in every replica) gives them all the same choice; when that engine is
-    out, only its keys move. None: the request has nothing to key on."""
+    time, and each would then keep its repeats there. Hashing the content with each engine's id (the
+    same in every replica) gives them all the same choice; when that engine is out, or one joins,
+    only the keys of that engine move. None: the request has nothing to key on."""
     if keys.images:
         key = keys.images[0]
     elif keys.prefix_blocks:
         key = keys.prefix_blocks[0].to_bytes(8, "little", signed=True)
     else:
         return None
-    return max(ready, key=lambda i: hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=8).digest())
+    return max(ready, key=lambda e: hashlib.blake2b(key + e.encode(), digest_size=8).digest())
 
 
 def choose_engine(
-    ready: Sequence[int],
-    loads: Sequence[int],
-    routed: Sequence[int],
-    affine: dict[int, tuple[int, int]],
+    ready: Sequence[EngineId],
+    loads: Mapping[EngineId, int],
+    routed: Mapping[EngineId, int],
+    affine: dict[EngineId, tuple[int, int]],
     max_imbalance: int,
-    home: int | None = None,
-) -> int:
+    home: EngineId | None = None,
+) -> EngineId:
     """Among the engines within the imbalance bound: the one with the best affinity; else the content's
     home engine (`home_engine`); else the least loaded.
 
-    `loads[i]` is engine i's load; `routed[i]` how many requests it was given, which breaks ties
+    `loads[e]` is engine e's load; `routed[e]` how many requests it was given, which breaks ties
     in load so that new content spreads over idle engines instead of always taking the first.
     """
     least = min(loads[i] for i in ready)

@@ -9,6 +9,11 @@ recently served the request's images or its longest prompt prefix wins if its lo
 configured bound of the least-loaded engine's (`engine_affinity.py`); for content this router has not
 routed, the engine its hash names, the same in every ingress replica, within that bound; otherwise the
 least loaded.
+
+The engines come from `EngineSource`s: engine-client deployments made with the application (always
+the same engines), or an engine pool that Serve scales, whose replicas come and go. An engine that
+leaves is drained: sent nothing new, and its connection (which holds the replica) closed once the
+requests this router sent it have finished, so Serve can stop it without cutting a stream.
 How engine clients and the preprocessor are reached (Ray Serve handles) is the deployment's
 business (`deployments/router.py`): this class sees them through `EngineConnection` and `Preprocessing`.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,7 +33,7 @@ from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
 from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused
 from mmserve.wire import EngineCoreRequest
 
-from .engine_affinity import AffinityKeys, AffinityTable, affinity_keys, choose_engine, home_engine, image_key
+from .engine_affinity import AffinityKeys, AffinityTable, EngineId, affinity_keys, choose_engine, home_engine, image_key
 from .settings import RoutingSettings
 
 logger = logging.getLogger("ray.serve")
@@ -77,7 +82,9 @@ class EngineConnection(Protocol):
     """One engine client as the router reaches it. Failures arrive typed: the engine's own
     errors, `GatewayBusyError` for a full tier, `ReplicaLostError` for a replica that died."""
 
-    async def info(self) -> EngineInfo: ...
+    async def info(self) -> EngineInfo | None:
+        """The engine's state; None: the engine is gone (a pool replica that was stopped)."""
+        ...
 
     def generate(self, request: EngineCoreRequest, images: object | None) -> EngineCall: ...
 
@@ -108,10 +115,42 @@ class PendingImages:
         self.request = None
 
 
+class EngineSource(Protocol):
+    """Where engines come from: one engine-client deployment (always the same engine), or an
+    engine pool whose replicas come and go as it scales (`deployments/router.py`)."""
+
+    def engines(self) -> Mapping[EngineId, EngineConnection]:
+        """The engines there are now, by a name that is the same in every ingress replica. An
+        engine that is no longer listed is being taken away: the router sends it nothing new and
+        closes its connection once its requests here have finished (its drain)."""
+        ...
+
+
+class StaticEngines:
+    """Engines that stay for the application's life (an engine-client deployment each), named by position."""
+
+    def __init__(self, connections: list[EngineConnection]) -> None:
+        self._engines = {str(index): connection for index, connection in enumerate(connections)}
+
+    def engines(self) -> Mapping[EngineId, EngineConnection]:
+        return self._engines
+
+
+@dataclass
+class _Engine:
+    """The router's view of one engine."""
+
+    connection: EngineConnection
+    info: EngineInfo | None = None
+    in_flight: int = 0  # requests from this router on it
+    routed: int = 0  # requests this router gave it
+    draining: bool = False  # left its source: nothing new, closed when in_flight is 0
+
+
 class EngineRouter:
     def __init__(
         self,
-        engines: list[EngineConnection],
+        sources: list[EngineSource],
         *,
         preprocessor: Preprocessing | None = None,
         wait_timeout_s: float,
@@ -119,11 +158,9 @@ class EngineRouter:
         info_timeout_s: float = 5.0,
         routing: RoutingSettings,
     ) -> None:
-        self._engines = engines
+        self._sources = sources
+        self._engines: dict[EngineId, _Engine] = {}
         self._preprocessor = preprocessor
-        self._infos: list[EngineInfo | None] = [None] * len(engines)
-        self._in_flight = [0] * len(engines)
-        self._routed = [0] * len(engines)
         self._routing = routing
         self.affinity = AffinityTable(routing.affinity_entries)
         self._wait_timeout_s = wait_timeout_s
@@ -131,65 +168,106 @@ class EngineRouter:
         self._info_timeout_s = info_timeout_s
         self._refreshed_at = 0.0
         self._refresh_lock = asyncio.Lock()
+        self._sync_engines()
 
-    async def refresh(self) -> list[EngineInfo | None]:
+    def _sync_engines(self) -> None:
+        """Take in the engines the sources list now; start draining those they no longer list."""
+        listed: dict[EngineId, EngineConnection] = {}
+        for source in self._sources:
+            listed.update(source.engines())
+        for name, connection in listed.items():
+            if name not in self._engines:
+                self._engines[name] = _Engine(connection)
+                if self._refreshed_at:  # not the first listing
+                    logger.info("engine %s joined: routing to it once it is ready", name)
+        for name, engine in list(self._engines.items()):
+            if name not in listed and not engine.draining:
+                engine.draining = True
+                engine.info = None
+                self.affinity.forget_engine(name)
+                logger.info("engine %s is being taken away: draining its %d requests from here", name, engine.in_flight)
+            self._close_if_drained(name)
+
+    def _close_if_drained(self, name: EngineId) -> None:
+        engine = self._engines.get(name)
+        if engine is not None and engine.draining and engine.in_flight == 0:
+            engine.connection.close()  # ends this replica's hold on it (its output stream)
+            del self._engines[name]
+
+    def _routable(self) -> list[EngineId]:
+        return [name for name, engine in self._engines.items() if not engine.draining]
+
+    async def refresh(self) -> dict[EngineId, EngineInfo | None]:
         async with self._refresh_lock:
             if time.monotonic() - self._refreshed_at < self._refresh_interval_s:
-                return self._infos
+                return self._current_infos()
+            self._sync_engines()
+            names = self._routable()
             results = await asyncio.gather(
-                *(asyncio.wait_for(e.info(), self._info_timeout_s) for e in self._engines), return_exceptions=True
+                *(asyncio.wait_for(self._engines[n].connection.info(), self._info_timeout_s) for n in names),
+                return_exceptions=True,
             )
-            infos = [r if isinstance(r, EngineInfo) else None for r in results]
-            for i, (before, now) in enumerate(zip(self._infos, infos)):
-                if _is_ready(before) and not _is_ready(now):
-                    self.affinity.forget_engine(i)  # dead, restarting or unreachable: its caches are gone
-            self._infos = infos
+            for name, result in zip(names, results):
+                engine = self._engines.get(name)
+                if engine is None or engine.draining:
+                    continue  # left while its info was asked for
+                now = result if isinstance(result, EngineInfo) else None
+                if _is_ready(engine.info) and not _is_ready(now):
+                    self.affinity.forget_engine(name)  # dead, restarting or unreachable: its caches are gone
+                engine.info = now
             self._refreshed_at = time.monotonic()
-            return self._infos
+            return self._current_infos()
 
-    def _ready_indices(self) -> list[int]:
-        return [i for i, info in enumerate(self._infos) if _is_ready(info)]
+    def _current_infos(self) -> dict[EngineId, EngineInfo | None]:
+        return {name: engine.info for name, engine in self._engines.items() if not engine.draining}
 
-    def load(self, index: int) -> int:
+    def _ready_engines(self) -> list[EngineId]:
+        return [name for name, engine in self._engines.items() if not engine.draining and _is_ready(engine.info)]
+
+    def load(self, name: EngineId) -> int:
         """Requests in flight from this router on the engine, plus those queued in the engine, plus
         `max_imbalance + 1` when its KV cache is full (`routing.kv_cache_full`)."""
-        info = self._infos[index]
+        engine = self._engines[name]
+        info = engine.info
         if info is None:
-            return self._in_flight[index]
+            return engine.in_flight
         kv_full = info.engine_kv_cache_usage is not None and info.engine_kv_cache_usage >= self._routing.kv_cache_full
-        return self._in_flight[index] + (info.engine_waiting or 0) + (self._routing.max_imbalance + 1 if kv_full else 0)
+        return engine.in_flight + (info.engine_waiting or 0) + (self._routing.max_imbalance + 1 if kv_full else 0)
 
-    def _choose(self, ready: list[int], keys: AffinityKeys | None) -> int:
-        loads = [self.load(i) for i in range(len(self._engines))]
+    def _choose(self, ready: list[EngineId], keys: AffinityKeys | None) -> EngineId:
+        loads = {name: self.load(name) for name in ready}
+        routed = {name: self._engines[name].routed for name in ready}
         affine = self.affinity.affine_engines(keys) if keys is not None else {}
         home = home_engine(keys, ready) if keys is not None else None
-        index = choose_engine(ready, loads, self._routed, affine, self._routing.max_imbalance, home)
+        name = choose_engine(ready, loads, routed, affine, self._routing.max_imbalance, home)
         if keys is not None:
-            self.affinity.record(keys, index)
-        self._routed[index] += 1
-        return index
+            self.affinity.record(keys, name)
+        self._engines[name].routed += 1
+        return name
 
-    async def _wait_for_ready(self) -> list[int]:
+    async def _wait_for_ready(self) -> list[EngineId]:
         deadline = time.monotonic() + self._wait_timeout_s
         while True:
             await self.refresh()
-            ready = self._ready_indices()
+            ready = self._ready_engines()
             if ready:
                 return ready
             if time.monotonic() >= deadline:
-                states = [info.state if info else "unreachable" for info in self._infos]
-                reasons = [info.death_reason for info in self._infos if info and info.death_reason]
+                infos = list(self._current_infos().values())
+                states = [info.state if info else "unreachable" for info in infos]
+                reasons = [info.death_reason for info in infos if info and info.death_reason]
                 if any(s in ("dead", "closed") for s in states) and "starting" not in states:
                     raise NoEngineAliveError(f"no engine is alive ({', '.join(reasons) or states})")
-                raise EngineNotReadyError(f"no engine is ready (states: {states})")
+                raise EngineNotReadyError(f"no engine is ready (states: {states or 'no engine yet'})")
             await asyncio.sleep(0.2)
             self._refreshed_at = 0.0
 
     def close(self) -> None:
-        for engine in self._engines:
-            engine.close()
+        for engine in self._engines.values():
+            engine.connection.close()
 
-    async def infos(self) -> list[EngineInfo | None]:
+    async def infos(self) -> dict[EngineId, EngineInfo | None]:
+        """Each engine's last known state, by name (engines being drained left out)."""
         return await self.refresh()
 
     async def limits(self, wait: bool = True) -> EngineLimits:
@@ -198,10 +276,10 @@ class EngineRouter:
             ready = await self._wait_for_ready()
         else:
             await self.refresh()
-            ready = self._ready_indices()
+            ready = self._ready_engines()
             if not ready:
                 raise EngineNotReadyError("no engine is ready")
-        info = self._infos[ready[0]]
+        info = self._engines[ready[0]].info
         assert info is not None and info.max_model_len is not None
         return EngineLimits(
             max_model_len=info.max_model_len,
@@ -223,19 +301,20 @@ class EngineRouter:
         dead goes to another ready engine (nothing was generated), and a preprocessing replica
         that died takes the images to a new one (preprocessing has no side effects).
         """
-        tried: set[int] = set()
+        tried: set[EngineId] = set()
         reprocessed = False
         keys = None
-        if self._routing.affinity and len(self._engines) > 1:
+        if self._routing.affinity and len(self._routable()) > 1:
             keys = affinity_keys(request.prompt_token_ids or [], images.image_keys if images is not None else ())
         while True:
-            ready = [i for i in await self._wait_for_ready() if i not in tried]
+            ready = [name for name in await self._wait_for_ready() if name not in tried]
             if not ready:
                 raise EngineDeadError("every ready engine failed this request before its first output")
-            index = self._choose(ready, keys)
-            tried.add(index)
-            self._in_flight[index] += 1
-            call = self._engines[index].generate(request, images.response if images is not None else None)
+            name = self._choose(ready, keys)
+            tried.add(name)
+            engine = self._engines[name]
+            engine.in_flight += 1
+            call = engine.connection.generate(request, images.response if images is not None else None)
             finished = produced = False
             retry: BaseException | None = None
             try:
@@ -250,8 +329,8 @@ class EngineRouter:
                 return
             except (EngineDeadError, EngineNotReadyError) as exc:
                 self._refreshed_at = 0.0  # look again before routing the next request
-                self.affinity.forget_engine(index)
-                if produced or len(self._engines) == 1:
+                self.affinity.forget_engine(name)
+                if produced or len(self._routable()) == 1:
                     raise
                 retry = exc
             except ReplicaLostError as exc:
@@ -263,18 +342,19 @@ class EngineRouter:
                     logger.warning("request %s: retrying after %s", request.request_id, exc)
                     images = PendingImages(images.request, self._preprocessor.process(images.request))
                     reprocessed = True
-                    tried.discard(index)
+                    tried.discard(name)
                     retry = exc
                 elif images is not None and images.request is not None:
                     raise GatewayBusyError(f"image preprocessing failed: {exc}; retry shortly") from None
-                elif len(self._engines) > 1:
-                    retry = exc
+                elif len(self._routable()) > 1 or engine.draining:
+                    retry = exc  # (a draining engine's replacement may be another one)
                 else:
                     raise EngineDeadError(f"the engine client serving this request failed: {exc}") from None
             finally:
-                self._in_flight[index] -= 1
+                engine.in_flight -= 1
                 if not finished:
                     call.cancel()
+                self._close_if_drained(name)
             logger.warning("request %s: no output yet, trying again after: %s", request.request_id, retry)
 
 

@@ -12,7 +12,7 @@ from mmserve.multimodal import ImageBatchRequest, PixelMode
 from mmserve.openai.engine_affinity import (
     PREFIX_BLOCK_TOKENS, AffinityKeys, AffinityTable, affinity_keys, choose_engine, home_engine, image_key,
 )
-from mmserve.openai.engine_router import EngineRouter, PendingImages
+from mmserve.openai.engine_router import EngineRouter, PendingImages, StaticEngines
 from mmserve.protocol import EngineEvent, EngineInfo
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
 from tests.support.defaults import routing_settings
@@ -45,8 +45,9 @@ class TimedCall:
 class Engine:
     """An engine connection: a state, an optional scheduler queue, a delay per request."""
 
-    def __init__(self, name: int, on_generate=None) -> None:
-        self.name, self.state, self.waiting, self.kv_usage = name, "ready", None, None
+    def __init__(self, index: int, on_generate=None) -> None:
+        # The router names engines of a `StaticEngines` source by position.
+        self.index, self.name, self.state, self.waiting, self.kv_usage = index, str(index), "ready", None, None
         self.fail: BaseException | None = None
         self.delay_s = 0.0
         self.on_generate = on_generate
@@ -67,7 +68,7 @@ class Engine:
 
 
 def _router(engines, **routing) -> EngineRouter:
-    return EngineRouter(engines, wait_timeout_s=0.0, refresh_interval_s=0.0, routing=routing_settings(**routing))
+    return EngineRouter([StaticEngines(engines)], wait_timeout_s=0.0, refresh_interval_s=0.0, routing=routing_settings(**routing))
 
 
 async def _send(router: EngineRouter, tokens: list[int], images: PendingImages | None = None, request_id: str = "r") -> None:
@@ -84,7 +85,7 @@ def _stream_of_repeats(replicas: list[tuple[EngineRouter, list[Engine]]], rng: r
     """600 overlapping requests for 40 images and 20 shared prefixes, repeated at random, each taken by
     one of the `replicas` (a router and its engine connections; drawn at random when there are several).
     Answers (repeats, repeats that reached the engine their content went to first)."""
-    first_engine: dict[str, int] = {}
+    first_engine: dict[str, str] = {}
     outcomes = {"repeats": 0, "to_first": 0}
 
     async def one(n: int, content: str, tokens: list[int], images: PendingImages | None) -> None:
@@ -130,11 +131,11 @@ def test_repeated_images_and_prefixes_stay_on_their_first_engine_within_the_load
     in_flight: list[int] = []
     engines: list[Engine] = []
 
-    def check_bound(chosen: int) -> None:
+    def check_bound(chosen: str) -> None:
         loads = [router.load(e.name) - (e.name == chosen) for e in engines]  # as they were at the choice
         in_flight.append(sum(loads))
-        if loads[chosen] > min(loads) + bound:
-            violations.append((loads[chosen], min(loads)))
+        if loads[int(chosen)] > min(loads) + bound:
+            violations.append((loads[int(chosen)], min(loads)))
 
     engines += [Engine(0, check_bound), Engine(1, check_bound)]
     router = _router(engines, max_imbalance=bound)
@@ -151,11 +152,12 @@ def test_repeated_images_and_prefixes_stay_on_their_first_engine_within_the_load
 def test_an_affine_engine_past_the_bound_loses_the_request_to_the_least_loaded():
     keys = affinity_keys([], [image_key("data:a")])
     table = AffinityTable(16)
-    table.record(keys, 1)
+    table.record(keys, "b")
     affine = table.affine_engines(keys)
-    assert choose_engine([0, 1], [0, 2], [0, 0], affine, max_imbalance=2) == 1
-    assert choose_engine([0, 1], [0, 3], [0, 0], affine, max_imbalance=2) == 0
-    assert choose_engine([0], [0, 0], [0, 0], affine, max_imbalance=2) == 0  # the affine engine is not ready
+    idle = {"a": 0, "b": 0}
+    assert choose_engine(["a", "b"], {"a": 0, "b": 2}, idle, affine, max_imbalance=2) == "b"
+    assert choose_engine(["a", "b"], {"a": 0, "b": 3}, idle, affine, max_imbalance=2) == "a"
+    assert choose_engine(["a"], idle, idle, affine, max_imbalance=2) == "a"  # the affine engine is not ready
 
 
 def test_the_engines_queue_counts_as_load():
@@ -163,7 +165,7 @@ def test_the_engines_queue_counts_as_load():
     router = _router(engines, max_imbalance=1)
     asyncio.run(_send(router, [1], _images("data:a")))
     first = engines[0] if engines[0].requests else engines[1]
-    other = engines[1 - first.name]
+    other = engines[1 - first.index]
     first.waiting = 1  # its scheduler stats: one request queued, within the bound
     asyncio.run(_send(router, [1], _images("data:a")))
     assert (len(first.requests), len(other.requests)) == (2, 0)
@@ -180,7 +182,7 @@ def test_an_engine_with_a_full_kv_cache_counts_as_past_the_bound():
     router = _router(engines, max_imbalance=1, kv_cache_full=0.9)
     asyncio.run(_send(router, [1], _images("data:a")))
     first = engines[0] if engines[0].requests else engines[1]
-    other = engines[1 - first.name]
+    other = engines[1 - first.index]
     first.kv_usage, other.kv_usage = 0.89, 0.1
     asyncio.run(_send(router, [1], _images("data:a")))
     assert (len(first.requests), len(other.requests)) == (2, 0)
@@ -189,7 +191,7 @@ def test_an_engine_with_a_full_kv_cache_counts_as_past_the_bound():
     assert (len(first.requests), len(other.requests)) == (2, 1)
     assert router.load(first.name) == 0 + 1 + 1  # nothing in flight, max_imbalance + 1
     # New content whose hash names the full engine goes to the other too.
-    fresh = next(f"data:b{k}" for k in range(100) if home_engine(affinity_keys([], [image_key(f"data:b{k}")]), [0, 1]) == first.name)
+    fresh = next(f"data:b{k}" for k in range(100) if home_engine(affinity_keys([], [image_key(f"data:b{k}")]), ["0", "1"]) == first.name)
     asyncio.run(_send(router, [1], _images(fresh)))
     assert (len(first.requests), len(other.requests)) == (2, 2)
     first.kv_usage = other.kv_usage = 0.95  # both full: the same penalty, the load (and affinity) decide
@@ -202,9 +204,9 @@ def test_the_longest_shared_prefix_wins():
     engines = [Engine(0), Engine(1)]
     router = _router(engines)
     table = router.affinity
-    table.record(affinity_keys(shared[: 2 * PREFIX_BLOCK_TOKENS]), 0)
-    table.record(affinity_keys(shared), 1)  # the first two blocks stay engine 0's: 1 holds block 3 alone
-    table.record(affinity_keys(shared[: PREFIX_BLOCK_TOKENS]), 0)
+    table.record(affinity_keys(shared[: 2 * PREFIX_BLOCK_TOKENS]), "0")
+    table.record(affinity_keys(shared), "1")  # the first two blocks stay engine 0's: 1 holds block 3 alone
+    table.record(affinity_keys(shared[: PREFIX_BLOCK_TOKENS]), "0")
     asyncio.run(_send(router, shared + [9, 9]))
     assert (len(engines[0].requests), len(engines[1].requests)) == (0, 1)
     # A prompt that differs in its first block shares nothing, however long the rest.
@@ -212,7 +214,7 @@ def test_the_longest_shared_prefix_wins():
     assert table.affine_engines(affinity_keys(other)) == {}
 
 
-def _holder(router: EngineRouter, image: bytes) -> int | None:
+def _holder(router: EngineRouter, image: bytes) -> str | None:
     """The engine the router's affinity table holds `image` for (None: no engine)."""
     holders = router.affinity.affine_engines(AffinityKeys(images=(image,), prefix_blocks=()))
     assert len(holders) <= 1
@@ -222,17 +224,17 @@ def _holder(router: EngineRouter, image: bytes) -> int | None:
 def test_an_engine_that_dies_is_dropped_from_affinity():
     engines = [Engine(0), Engine(1)]
     router = _router(engines)
-    for k in range(5):
+    for k in range(8):
         asyncio.run(_send(router, [1], _images(f"data:{k}")))
-    holders = {_holder(router, key) for k in range(5) for key in affinity_keys([], [image_key(f"data:{k}")]).images}
-    assert holders == {0, 1}
+    holders = {_holder(router, key) for k in range(8) for key in affinity_keys([], [image_key(f"data:{k}")]).images}
+    assert holders == {"0", "1"}
     engines[0].state = "dead"
     asyncio.run(router.refresh())
-    assert {_holder(router, key) for k in range(5) for key in affinity_keys([], [image_key(f"data:{k}")]).images} == {None, 1}
+    assert {_holder(router, key) for k in range(8) for key in affinity_keys([], [image_key(f"data:{k}")]).images} == {None, "1"}
     # Restarted: its caches are empty, so its old images are not routed back to it.
     engines[0].state = "ready"
     asyncio.run(router.refresh())
-    assert all(_holder(router, key) != 0 for k in range(5) for key in affinity_keys([], [image_key(f"data:{k}")]).images)
+    assert all(_holder(router, key) != "0" for k in range(8) for key in affinity_keys([], [image_key(f"data:{k}")]).images)
 
 
 def test_an_engine_failing_a_request_is_dropped_from_affinity_and_the_request_goes_elsewhere():
@@ -242,10 +244,10 @@ def test_an_engine_failing_a_request_is_dropped_from_affinity_and_the_request_go
     holder = engines[0] if engines[0].requests else engines[1]
     holder.fail = EngineDeadError("gone")
     asyncio.run(_send(router, [1], _images("data:x", "data:y")))
-    survivor = 1 - holder.name
-    assert len(engines[survivor].requests) == 1
+    survivor = engines[1 - holder.index]
+    assert len(survivor.requests) == 1
     keys = affinity_keys([], [image_key("data:x"), image_key("data:y")])
-    assert [_holder(router, k) for k in keys.images] == [survivor, survivor]
+    assert [_holder(router, k) for k in keys.images] == [survivor.name, survivor.name]
 
 
 def test_a_full_affinity_table_evicts_the_least_recently_used():
@@ -298,10 +300,10 @@ def test_two_ingress_replicas_send_repeats_to_the_same_engine():
     def replica() -> tuple[EngineRouter, list[Engine]]:
         engines: list[Engine] = []
 
-        def check_bound(chosen: int) -> None:
+        def check_bound(chosen: str) -> None:
             loads = [router.load(e.name) - (e.name == chosen) for e in engines]
-            if loads[chosen] > min(loads) + bound:
-                violations.append((loads[chosen], min(loads)))
+            if loads[int(chosen)] > min(loads) + bound:
+                violations.append((loads[int(chosen)], min(loads)))
 
         engines += [Engine(0, check_bound), Engine(1, check_bound)]
         router = _router(engines)

@@ -9,7 +9,7 @@ import pytest
 from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from mmserve.multimodal import ImageBatchRequest, PixelMode
 from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
-from mmserve.openai.engine_router import EngineRouter, NoEngineAliveError, PendingImages, ReplicaLostError, refusal_error
+from mmserve.openai.engine_router import EngineRouter, NoEngineAliveError, PendingImages, ReplicaLostError, StaticEngines, refusal_error
 from mmserve.openai.errors import openai_error
 from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
@@ -68,7 +68,7 @@ class FakePreprocessing:
 
 
 def _router(engines, preprocessor=None, wait_timeout_s=0.0) -> EngineRouter:
-    return EngineRouter(engines, preprocessor=preprocessor, wait_timeout_s=wait_timeout_s, refresh_interval_s=0.0, routing=routing_settings())
+    return EngineRouter([StaticEngines(engines)], preprocessor=preprocessor, wait_timeout_s=wait_timeout_s, refresh_interval_s=0.0, routing=routing_settings())
 
 
 def _collect(router: EngineRouter, images=None) -> list[EngineEvent]:
@@ -154,7 +154,7 @@ def test_image_refusals_reach_the_client_with_their_status(refusal, status, retr
 def test_the_least_loaded_ready_engine_wins():
     engines = [FakeEngine("starting"), FakeEngine(), FakeEngine()]
     router = _router(engines)
-    router._in_flight[1] = 3  # requests of this router already on engine 1
+    router._engines["1"].in_flight = 3  # requests of this router already on engine 1
     _collect(router)
     assert (len(engines[1].calls), len(engines[2].calls)) == (0, 1)
 
@@ -162,3 +162,79 @@ def test_the_least_loaded_ready_engine_wins():
 def test_images_without_a_preprocessor_are_refused():
     with pytest.raises(InvalidRequestError):
         _router([FakeEngine()]).preprocess(ImageBatchRequest(urls=["data:x"], pixel_mode=PixelMode("device_normalize"), engine_dtype="float32"))
+
+
+class Pool:
+    """An engine source whose engines come and go, as a pool's replicas do."""
+
+    def __init__(self, **engines) -> None:
+        self.listed = dict(engines)
+
+    def engines(self):
+        return self.listed
+
+
+class SlowCall:
+    """A call that streams its one output when the test says so."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.cancelled = False
+
+    async def __aiter__(self):
+        await self.release.wait()
+        yield EngineEvent(outputs=[EngineCoreOutput("r", [5], finish_reason=FinishReason.LENGTH)])
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class PoolEngine(FakeEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+        self.slow: list[SlowCall] = []
+
+    def close(self) -> None:
+        self.closed = True
+
+    def generate(self, request, images):
+        call = SlowCall()
+        self.slow.append(call)
+        return call
+
+
+def test_engines_that_join_a_pool_are_routed_to_and_one_that_leaves_is_drained_then_closed():
+    """A pool's engine that leaves gets no new request, keeps its running ones, and is closed (which
+    lets its replica stop) only once they have finished; an engine that joins is routed to."""
+
+    async def run():
+        first, second = PoolEngine(), PoolEngine()
+        pool = Pool(a=first)
+        router = EngineRouter([pool], wait_timeout_s=0.0, refresh_interval_s=0.0, routing=routing_settings(affinity=False))
+
+        async def send(request_id):
+            return [event async for event in router.generate(_request(request_id))]
+
+        running = asyncio.create_task(send("r1"))
+        await asyncio.sleep(0.01)
+        assert len(first.slow) == 1
+        pool.listed = {"a": first, "b": second}  # a second engine joins
+        joined = asyncio.create_task(send("r2"))
+        await asyncio.sleep(0.01)
+        assert len(second.slow) == 1  # the least loaded: the new one
+        pool.listed = {"b": second}  # the first leaves with r1 still running
+        assert list(await router.infos()) == ["b"]
+        later = asyncio.create_task(send("r3"))
+        await asyncio.sleep(0.01)
+        assert (len(first.slow), len(second.slow)) == (1, 2)  # nothing new for the leaving engine
+        assert not first.closed  # r1 still runs there
+        first.slow[0].release.set()
+        assert len(await running) == 1  # r1 finished whole
+        assert first.closed  # then its connection is closed
+        for call in second.slow:
+            call.release.set()
+        await asyncio.gather(joined, later)
+        assert not second.closed
+
+    asyncio.run(run())

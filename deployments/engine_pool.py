@@ -1,0 +1,91 @@
+"""The engine pool: its routing, in Ray Serve's request-router API (every call names its engine), and its scaling.
+
+An engine pool is one engine-client deployment whose replicas Serve scales, each owning the engine
+it launched. The ingress chooses the engine itself (`mmserve.openai.engine_router`: load, affinity,
+drains), so the pool's request router does not choose: it delivers each call to the replica named
+by the call's `engine` argument, and it tells the ingress which replicas there are (the same list
+in every ingress replica: Serve's controller broadcasts it to every router).
+
+This router runs in each caller's process (Serve builds one per deployment handle there), so the
+replica list it publishes (`engine_pool_members.py`) is read in-process by `deployments/router.py`'s
+`EnginePoolMembers`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from .engine_pool_autoscaling import engine_requests_policy
+from .engine_pool_members import publish_members
+
+# The argument by which every call to a pool names the replica it is meant for.
+ENGINE_ARGUMENT = "engine"
+
+
+class EngineReplicaRouter(RequestRouter):
+    """Delivers a call to the replica its `engine` argument names; publishes the replica list.
+
+    A call naming a replica that is gone (it was stopped between the ingress's choice and this
+    call) goes to any replica, which refuses it as not its own (`WrongEngineError`): the ingress
+    then treats it as a lost replica and routes again. A call naming no engine goes to any replica."""
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        ids = tuple(sorted(replica.replica_id.unique_id for replica in replicas))
+        publish_members(self._deployment_id.app_name, self._deployment_id.name, ids)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if pending_request is None:
+            return [candidate_replicas]
+        # Serve's routing loop retries a request whose chosen replica could not take it at once: with
+        # no back-off it would spin on this process's event loop without ever yielding it.
+        pending_request.routing_context.should_backoff = True
+        target: Any = pending_request.kwargs.get(ENGINE_ARGUMENT)
+        if target:
+            for replica in candidate_replicas:
+                if replica.replica_id.unique_id == target:
+                    return [[replica]]
+        return [candidate_replicas]
+
+
+@dataclass(frozen=True)
+class EnginePoolScaling:
+    """How Serve scales an engine pool (`engine_pool.*` in the config)."""
+
+    min_engines: int
+    max_engines: int
+    # Requests held per engine (running or queued in its scheduler) the pool scales to.
+    target_requests_per_engine: float
+    upscale_delay_s: float
+    downscale_delay_s: float
+    look_back_period_s: float
+    # How long an engine being taken away may take to finish its streams before it is stopped.
+    drain_timeout_s: float
+
+    def options(self) -> dict[str, Any]:
+        """`EngineClientDeployment.options(...)` for a pool scaled this way."""
+        return {
+            "num_replicas": "auto",
+            "autoscaling_config": AutoscalingConfig(
+                min_replicas=self.min_engines,
+                max_replicas=self.max_engines,
+                initial_replicas=self.min_engines,
+                target_ongoing_requests=self.target_requests_per_engine,
+                upscale_delay_s=self.upscale_delay_s,
+                downscale_delay_s=self.downscale_delay_s,
+                look_back_period_s=self.look_back_period_s,
+                metrics_interval_s=min(1.0, self.look_back_period_s / 2),
+                policy=AutoscalingPolicy(policy_function=engine_requests_policy),
+            ),
+            "request_router_config": RequestRouterConfig(request_router_class=EngineReplicaRouter),
+            # Serve waits this long for a stopping replica's calls to end: the ingress replicas end
+            # their output streams once their requests there have finished (their drain).
+            "graceful_shutdown_timeout_s": self.drain_timeout_s,
+            "graceful_shutdown_wait_loop_s": 1.0,
+        }
