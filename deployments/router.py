@@ -139,6 +139,9 @@ class HandleEngineConnection:
                             self.demux.connected(replica)
                     error = ReplicaLostError("the engine client ended its output stream")
                 except asyncio.CancelledError:
+                    # Closed: end the call itself too, or the engine client would count it as
+                    # ongoing, and Serve would wait for it before stopping a drained replica.
+                    subscription.cancel()
                     raise
                 except Exception as exc:
                     error = ReplicaLostError(_describe(_unwrap(exc)))
