@@ -69,6 +69,7 @@ OWN_CLUSTER_TESTS = {
     "tests/e2e/test_default_limits.py",
     "tests/e2e/test_engine_launch.py",
     "tests/e2e/test_multinode_colocation.py",
+    "tests/e2e/test_ray_start_engine_pool.py",
     "tests/e2e/test_serve_run_logs.py",
 }
 # What the other gateway tests share and an own-cluster test must not use (its process would make a

@@ -14,9 +14,10 @@ CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
 
 def _serve_configs() -> list[tuple[str, dict]]:
     configs = [(p.name, yaml.safe_load(p.read_text())) for p in sorted(CLUSTER.glob("serve_*.yaml"))]
-    for doc in yaml.safe_load_all((CLUSTER / "kuberay-rayservice.yaml").read_text()):
-        if doc and doc.get("kind") == "RayService":
-            configs.append(("kuberay-rayservice.yaml", yaml.safe_load(doc["spec"]["serveConfigV2"])))
+    for path in sorted(CLUSTER.glob("kuberay-*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "RayService":
+                configs.append((path.name, yaml.safe_load(doc["spec"]["serveConfigV2"])))
     return configs
 
 
@@ -35,6 +36,24 @@ def test_launcher_config_shape():
     assert config["head_node_type"] in config["available_node_types"]
     assert {"cluster_name", "provider", "setup_commands", "head_start_ray_commands"} <= set(config)
     assert "mmserve_engine_host" in config["available_node_types"][config["head_node_type"]]["resources"]
+
+
+def test_engines_launched_by_the_app_scale_in_every_deployment_file():
+    """Issue 20: the Serve config, the cluster-launcher config and the RayService for launched engines
+    all autoscale them: an engine pool bounded like the GPU node group that hosts its engines."""
+    serve_launch = yaml.safe_load((CLUSTER / "serve_launch.yaml").read_text())["applications"][0]["args"]
+    launcher = yaml.safe_load((CLUSTER / "ray-cluster-gpu.yaml").read_text())
+    service = next(d for d in yaml.safe_load_all((CLUSTER / "kuberay-rayservice-launch.yaml").read_text()) if d and d["kind"] == "RayService")
+    kuberay = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    gpu_group = next(g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "gpu")
+    for args in (serve_launch, kuberay):
+        assert args["engine_launch"]["resources"]["GPU"] == 1 and "count" not in args["engine_launch"]
+        assert args["engine_pool"]["min_engines"] >= 1
+    assert launcher["available_node_types"]["gpu_worker"]["max_workers"] == serve_launch["engine_pool"]["max_engines"]
+    assert launcher["available_node_types"]["gpu_worker"]["min_workers"] == 0
+    assert {"head", "cpu_worker", "gpu_worker"} <= set(launcher["available_node_types"])
+    assert service["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    assert gpu_group["maxReplicas"] == kuberay["engine_pool"]["max_engines"] and gpu_group["minReplicas"] == 0
 
 
 def test_kuberay_manifest_shape():
