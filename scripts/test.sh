@@ -12,6 +12,8 @@
 #   3. the reference part, from the reference venv .venv-ref: the `reference` tests, which call vLLM's
 #      or Hugging Face's own functions in-process; at the lowest priority (`nice -n 19`), so that it
 #      takes the cores the others leave idle while they wait on engines and replicas, never their time.
+#   4. then, once those have ended, the alone part: own-cluster tests too heavy to share the machine
+#      (a `ray start` cluster of real vLLM engines; tests/conftest.py ALONE_TESTS).
 # The two venvs are installed at the same time (uv for the reference venv, pip for the gateway venv:
 # mostly unpacking and writing files); the reference part starts when its venv is ready, the gateway
 # parts when both are (their real engines run from the reference venv). All parts always run; the exit
@@ -72,7 +74,7 @@ export MMSERVE_OWN_CLUSTER_PART_DONE=$OWN_CLUSTER_LOG.done
 (
     done_file=$MMSERVE_OWN_CLUSTER_PART_DONE
     unset MMSERVE_OWN_CLUSTER_PART_DONE  # this part never waits for itself
-    run_part own-cluster .venv/bin/python "not reference and own_cluster" "$@"
+    run_part own-cluster .venv/bin/python "not reference and own_cluster and not alone" "$@"
     echo "$RC $PART_S" > "$OWN_CLUSTER_LOG.status"
     touch "$done_file"
 ) > "$OWN_CLUSTER_LOG" 2>&1 &
@@ -85,15 +87,17 @@ rm -f "$OWN_CLUSTER_LOG" "$OWN_CLUSTER_LOG.status" "$MMSERVE_OWN_CLUSTER_PART_DO
 wait "$REFERENCE_PID" || true
 cat "$REFERENCE_LOG"
 read -r REFERENCE_RC REFERENCE_S < "$REFERENCE_LOG.status" || { REFERENCE_RC=1; REFERENCE_S=0; }
+# Last, with the machine to itself: the own-cluster tests too heavy to share it (tests/conftest.py ALONE_TESTS).
+run_part alone .venv/bin/python "not reference and alone" "$@"; ALONE_RC=$RC; ALONE_S=$PART_S
 echo "[test] time: the reference venv $(minutes $REFERENCE_SETUP_S) and the gateway venv $(minutes $GATEWAY_SETUP_S)," \
     "installed at once ($(minutes $BEFORE_GATEWAY_S) until the gateway parts); the gateway part $(minutes $GATEWAY_S)," \
     "with the own-cluster part ($(minutes $OWN_CLUSTER_S)) and the reference part ($(minutes $REFERENCE_S), from" \
-    "the reference venv on) beside it; all $(minutes $((SECONDS - START))) (m:ss)"
+    "the reference venv on) beside it, then the alone part ($(minutes $ALONE_S)); all $(minutes $((SECONDS - START))) (m:ss)"
 
 # Exit status 5 (nothing collected) is fine for a part when arguments chose tests of the others only.
-echo "[test] gateway part: $GATEWAY_RC, own-cluster part: $OWN_CLUSTER_RC, reference part: $REFERENCE_RC"
+echo "[test] gateway part: $GATEWAY_RC, own-cluster part: $OWN_CLUSTER_RC, reference part: $REFERENCE_RC, alone part: $ALONE_RC"
 FAILED=0 ALL_EMPTY=1
-for rc in "$GATEWAY_RC" "$OWN_CLUSTER_RC" "$REFERENCE_RC"; do
+for rc in "$GATEWAY_RC" "$OWN_CLUSTER_RC" "$REFERENCE_RC" "$ALONE_RC"; do
     [ "$rc" = 0 ] || [ "$rc" = 5 ] || FAILED=1
     [ "$rc" = 5 ] || ALL_EMPTY=0
 done

@@ -72,6 +72,10 @@ OWN_CLUSTER_TESTS = {
     "tests/e2e/test_ray_start_engine_pool.py",
     "tests/e2e/test_serve_run_logs.py",
 }
+# Own-cluster modules too heavy to share the machine (a multi-node cluster of real vLLM engines beside
+# the whole suite overloads 2 cores: its nodes missed their health checks and were declared dead):
+# scripts/test.sh runs them after every other part has ended, alone (`-m alone`).
+ALONE_TESTS = {"tests/e2e/test_ray_start_engine_pool.py"}
 # What the other gateway tests share and an own-cluster test must not use (its process would make a
 # second copy: a second vLLM server and engine, a second app).
 SESSION_SHARED_FIXTURES = {"builtin_app", "vllm_app", "vllm_serve_reference"}
@@ -91,6 +95,7 @@ def _relative(path: Path) -> str:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "reference: imports vllm/torch/transformers in-process; runs from .venv-ref")
     config.addinivalue_line("markers", "own_cluster: runs on Ray clusters of its own, beside the other gateway tests")
+    config.addinivalue_line("markers", "alone: an own-cluster test run after all the others, with the machine to itself")
 
 
 def _excludes_reference(config: pytest.Config) -> bool:
@@ -119,6 +124,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = getattr(item, "originalname", item.name)
         if listed == "*" or (listed and name in listed) or REFERENCE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.reference)
+        if _relative(item.path) in ALONE_TESTS:
+            item.add_marker(pytest.mark.alone)
         if _relative(item.path) in OWN_CLUSTER_TESTS:
             item.add_marker(pytest.mark.own_cluster)
             shared = SESSION_SHARED_FIXTURES & set(getattr(item, "fixturenames", ()))

@@ -250,6 +250,7 @@ async def scenario(model_dir: str, address: str, dashboard: str) -> dict:
 
 def main() -> None:
     global BASE_URL, ENV
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: still stop the cluster (finally)
     model_dir, vllm_python, workdir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_ENABLE_HA_PROXY": "1",
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0", "PYTHONPATH": str(REPO)}
@@ -274,6 +275,8 @@ def stop_cluster(ray_root: Path) -> None:
     """This cluster's processes only (`ray stop` would stop every Ray instance on the machine, the test
     suite's own among them): those whose command line names its temp root, and the HAProxy of its
     nodes (its command line names the node; it outlives its manager actor)."""
+    if not ray_root.name == "ray" or len(ray_root.parts) < 4:  # e.g. /tmp/mmrsXXXX/ray, never /ray
+        raise ValueError(f"not a scenario's Ray root: {ray_root}")
     markers = [str(ray_root).encode(), *(f"haproxy-serve/{node}".encode() for node in _node_ids(ray_root))]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.ray_start_pool_scenario import stop_cluster
 from tests.support.reference_venv import reference_python
 
 pytestmark = pytest.mark.serve
@@ -27,6 +28,7 @@ def test_the_engine_pool_scales_drains_survives_a_lost_node_and_leaves_nothing(t
         proc = subprocess.run([sys.executable, str(SCENARIO), str(tiny_qwen2_vl_dir), reference_python(), str(workdir)],
                               capture_output=True, text=True, timeout=1500)
     finally:
+        stop_cluster(workdir / "ray")  # if the scenario was killed (timeout) before it stopped its cluster
         shutil.rmtree(workdir, ignore_errors=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
