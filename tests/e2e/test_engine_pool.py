@@ -57,10 +57,21 @@ def test_the_pool_grows_with_the_load_and_drains_an_engine_before_taking_it_away
     streams spread over both: one engine is taken away while its streams still run, and they finish
     whole (the ingress stopped sending it work, and let it go only once they were done). No request
     is lost or fails at any point."""
-    import ray
-
     name = "enginepool"
     app = deploy_app(serve_instance, name, {"engine_pool": POOL, "builtin_engine": {"step_interval_ms": STEP_MS}})
+    try:
+        _scale_drain_and_shrink(app, name)
+    finally:
+        # Its replicas and engines would hold memory for the rest of the session's shared instance
+        # (a full run beside it reached Ray's OOM threshold, which killed Serve's controller).
+        from ray import serve
+
+        serve.delete(name, _blocking=True)
+
+
+def _scale_drain_and_shrink(app, name: str) -> None:
+    import ray
+
     url = app.base_url + "/v1/chat/completions"
     assert [e["state"] for e in _engines(app.base_url)] == ["ready"]
 
