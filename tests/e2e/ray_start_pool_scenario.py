@@ -175,6 +175,24 @@ def raylet_pid(node_id: str) -> int:
     raise LookupError(f"no raylet of node {node_id}")
 
 
+def launched_engines(since: float) -> list[int]:
+    """Engines started by launchers (their environment has the launcher's `VLLM_RPC_BASE_PATH`) since
+    `since` (epoch seconds), whatever their process title (vLLM renames itself `VLLM::EngineCore`)."""
+    boot = time.time() - float(Path("/proc/uptime").read_text().split()[0])
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes()
+                started = boot + int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+            except (OSError, ValueError, IndexError):
+                continue
+            if b"VLLM_RPC_BASE_PATH=/tmp/mmserve-engine-" in environ and started >= since:
+                found.append(int(entry))
+    return found
+
+
 def app_processes(model_dir: str) -> list[str]:
     """Processes of the application: engines (their command line names the model), launchers and replicas."""
     found = []
@@ -245,11 +263,21 @@ async def scenario(model_dir: str, address: str, dashboard: str) -> dict:
     while (left := app_processes(model_dir)) and time.monotonic() < deadline:
         await asyncio.sleep(1)
     result["left_after_shutdown"] = left
+    # Engines still running after all that (not seen by their command line, which vLLM rewrites): the
+    # lost node's engine outlives its raylet and launcher. Reported, then killed (no leak past the test).
+    orphans = launched_engines(SCENARIO_START)
+    result["engines_left_after_node_loss"] = len(orphans)
+    for pid in orphans:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return result
 
 
 def main() -> None:
-    global BASE_URL, ENV
+    global BASE_URL, ENV, SCENARIO_START
+    SCENARIO_START = time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: still stop the cluster (finally)
     model_dir, vllm_python, workdir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -322,6 +350,7 @@ async def _healthy() -> bool:
 
 BASE_URL = ""
 ENV: dict[str, str] = {}
+SCENARIO_START = 0.0
 
 if __name__ == "__main__":
     main()

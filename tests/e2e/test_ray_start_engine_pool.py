@@ -48,3 +48,5 @@ def test_the_engine_pool_scales_drains_survives_a_lost_node_and_leaves_nothing(t
     assert len(kill["engines_after"]) == 1, kill  # the lost engine left the pool
     # 3. serve shutdown leaves no engine, launcher or replica process.
     assert result["left_after_shutdown"] == [], result["left_after_shutdown"]
+    # Known gap (issue 20, not asserted): the lost node's engine outlives its killed raylet and its
+    # launcher (1 in every run so far); the scenario reports and kills it (`engines_left_after_node_loss`).
