@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,9 +35,13 @@ from mmserve.wire import EngineCoreRequest
 from .caller_watch import CallerWatch
 from .engine_client_server import EngineClientServer, EngineClientSettings
 from .engine_pool_autoscaling import ENGINE_REQUESTS_METRIC
+from .raylet_watch import RayletWatch
 from .replica_logs import log_package_to_replica
 
 logger = logging.getLogger("ray.serve")
+
+# After its node is lost, how long this replica has to tell its callers before it exits.
+NODE_LOST_EXIT_S = 1.0
 
 
 def _replica_ids() -> tuple[str, str]:
@@ -77,6 +82,8 @@ class EngineClientDeployment:
         self._subscribers: dict[str, asyncio.Task[Any]] = {}
         self._callers = CallerWatch(self._caller_gone)
         await self.server.start()
+        loop = asyncio.get_running_loop()
+        RayletWatch(lambda: self._node_lost_from_thread(loop)).start()
 
     def _channel(self, caller: str) -> CallerChannel:
         channel = self._channels.get(caller)
@@ -85,6 +92,27 @@ class EngineClientDeployment:
             # A caller that dies takes its requests with it (see CallerWatch).
             self._callers.watch(caller)
         return channel
+
+    def _node_lost_from_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        """This node's raylet is gone: Ray would end this process ≈3 s later, its callers learning
+        only then. Fail every request at once over the callers' links, then exit; if the loop cannot
+        do it within `NODE_LOST_EXIT_S`, exit anyway."""
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._node_lost(), name="node-lost"))
+        time.sleep(NODE_LOST_EXIT_S)
+        os._exit(1)
+
+    async def _node_lost(self) -> None:
+        reason = "the engine's node left the Ray cluster (its raylet is gone)"
+        logger.error("engine client: %s; failing its %d requests and exiting", reason, self.server.client.num_in_flight)
+        await self.server.node_lost(reason)
+        # Each caller's `subscribe` takes its failures and hands them to ZMQ, whose I/O thread then
+        # writes them out: both before the process goes.
+        for _ in range(50):  # (a caller with no stream open takes nothing: the thread's exit ends this)
+            if not any(channel.outputs or channel.failures for channel in self._channels.values()):
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        os._exit(1)
 
     def _mine(self, engine: str) -> bool:
         """Whether a call naming `engine` (a pool replica's unique id; "" names none) is for this

@@ -253,6 +253,17 @@ class EngineClientServer:
         await self.client.wait_ready(self.config.engine_wait_timeout_s)
         return await self.client.call_utility(method, *args, timeout_s=timeout_s)
 
+    async def node_lost(self, reason: str) -> None:
+        """This replica's node left the Ray cluster (`deployments/raylet_watch.py`): every request
+        fails now with `reason`, and the built-in engine is stopped; its process ends next."""
+        self.unrecoverable = reason
+        for task in (self._relaunch_task, self._launcher_watch):
+            if task is not None:
+                task.cancel()
+        await self.client.close(reason)
+        if self.builtin is not None:
+            self._stop_builtin(dead=True)
+
     def check_health(self) -> None:
         # A dead engine is replaced in place (`_replace_on_death`); only that task ending, or the
         # launcher that would restart it being gone, needs a new replica.

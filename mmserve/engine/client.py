@@ -143,10 +143,11 @@ class EngineClient:
         assert self.ready is not None
         return self.ready
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "engine client closed") -> None:
+        """Fail every request in flight with `reason` and release the sockets."""
         if self.state is EngineState.CLOSED:
             return
-        self._fail_everything(EngineDeadError("engine client closed"))
+        self._fail_everything(EngineDeadError(reason))
         self.state = EngineState.CLOSED
         for task in self._tasks:
             task.cancel()

@@ -145,6 +145,7 @@ class EngineSupervisor:
         self._task: asyncio.Task[None] | None = None
         self._restart_now = asyncio.Event()
         self._last_tree: list[int] = []
+        self._run_dir: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -173,6 +174,17 @@ class EngineSupervisor:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
+    def kill_now(self, reason: str) -> list[int]:
+        """Kill the engine's whole tree at once, with no grace and no restart after it; safe from
+        any thread (its loop may be about to go away: the node this runs on was lost, see
+        `deployments/raylet_watch.py`). Returns the processes signalled."""
+        self._stopping = True
+        pids = sorted({*self.tree(), *(processes_in_run(self._run_dir) if self._run_dir else [])})
+        self.log.warning("killing the engine now (%d processes): %s", len(pids), reason)
+        _signal_all(pids, signal.SIGCONT)
+        _signal_all(pids, signal.SIGKILL)
+        return pids
+
     def tree(self) -> list[int]:
         pid = self.pid
         return process_tree(pid) if pid is not None else []
@@ -182,7 +194,7 @@ class EngineSupervisor:
         while not self._stopping:
             started = time.monotonic()
             self._restart_now.clear()
-            run_dir = tempfile.mkdtemp(prefix="mmserve-engine-")
+            run_dir = self._run_dir = tempfile.mkdtemp(prefix="mmserve-engine-")
             try:
                 # A plain Popen, not asyncio's: asyncio's wait() also waits for the output pipe to close,
                 # which a child the engine left behind can hold open forever.

@@ -92,3 +92,26 @@ def test_image_refusals_keep_their_kind_and_retry_after():
         ("image", "messages", None), ("image_too_large", "messages", None), ("busy", "messages", 1),
     ]
     assert [r.message for r in refused] == [images.message for images in refusals]
+
+
+def test_a_lost_node_fails_every_request_with_its_reason_and_stops_the_builtin_engine():
+    async def run():
+        server = EngineClientServer(_settings(max_model_len=4096))
+        await server.start()
+        try:
+            channel = CallerChannel()
+            long = EngineCoreRequest("long", [1, 2, 3], None, SamplingParams(max_tokens=3000, temperature=0.0), None, 0.0, None, None, None)
+            await server.add(long, None, channel)
+            await asyncio.wait_for(channel.take(), 30)  # generating
+            builtin = server.builtin
+            assert builtin is not None and builtin.is_alive()
+            await server.node_lost("the engine's node left the Ray cluster")
+            _, failures = await asyncio.wait_for(channel.take(), 5)
+            return failures, builtin.is_alive(), server.unrecoverable
+        finally:
+            await server.shutdown()
+
+    failures, builtin_alive, unrecoverable = asyncio.run(run())
+    assert failures == [("long", "the engine's node left the Ray cluster")]
+    assert not builtin_alive
+    assert unrecoverable == "the engine's node left the Ray cluster"

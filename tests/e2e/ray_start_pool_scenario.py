@@ -263,10 +263,10 @@ async def scenario(model_dir: str, address: str, dashboard: str) -> dict:
     while (left := app_processes(model_dir)) and time.monotonic() < deadline:
         await asyncio.sleep(1)
     result["left_after_shutdown"] = left
-    # Engines still running after all that (not seen by their command line, which vLLM rewrites): the
-    # lost node's engine outlives its raylet and launcher. Reported, then killed (no leak past the test).
+    # Engines still running after all that (not seen by their command line, which vLLM rewrites), the
+    # lost node's included. Reported, then killed (no leak past the test).
     orphans = launched_engines(SCENARIO_START)
-    result["engines_left_after_node_loss"] = len(orphans)
+    result["engines_left"] = [f"{pid}: {_cmdline(pid)[:120]}" for pid in orphans]
     for pid in orphans:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -331,6 +331,13 @@ def _node_ids(ray_root: Path) -> set[str]:
                 continue
             ids |= {arg.split(b"=", 1)[1].decode() for arg in argv if arg.startswith(b"--node_id=")}
     return ids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _cmdline_has(pid: int, marker: bytes) -> bool:

@@ -154,3 +154,18 @@ async def test_children_the_tree_never_showed_are_killed_when_the_engine_exits(m
 
     monkeypatch.setattr(supervisor.EngineSupervisor, "_track_tree", blind)
     await test_exit_is_restarted_with_doubling_backoff(caplog)
+
+
+async def test_kill_now_takes_the_whole_tree_at_once_and_never_restarts(caplog):
+    caplog.set_level(logging.INFO, "test.engine")
+    sup = _supervisor("run", backoff_initial_s=0.1, stop_timeout_s=30.0)
+    sup.start()
+    tree = await _wait(lambda: len(sup.tree()) == 2 and sup.tree(), 20, "engine and child running")
+    began = time.monotonic()
+    killed = sup.kill_now("its node was lost")  # (the child ignores SIGTERM: no grace is waited for)
+    assert set(tree) <= set(killed)
+    await _wait(lambda: not any(_alive(pid) for pid in tree), 2, "tree gone")
+    assert time.monotonic() - began < 2
+    await asyncio.sleep(0.5)  # longer than the back-off: a restart would have come by now
+    assert sup.starts == 1 and sup.tree() == []
+    assert "killing the engine now (2 processes): its node was lost" in caplog.text
