@@ -157,25 +157,28 @@ def test_launched_engine_declared_hung_is_killed_and_restarted(serve_instance):
     wait_for(lambda: not any(_alive(pid) for pid in seen), 30, f"engine processes {sorted(seen)} gone")
 
 
-def test_a_lost_launcher_makes_its_replica_unhealthy_and_serve_replaces_it(serve_instance):
+@pytest.mark.parametrize("deployment", ["EngineClient0", "EnginePool"])
+def test_a_lost_launcher_makes_its_replica_unhealthy_and_serve_replaces_it(serve_instance, deployment):
     """A launcher is never restarted by Ray (its engine dies with it). Killed with `ray.kill`, its engine
     client says why once, fails its health checks, and Serve replaces the replica: a new launcher and
-    engine, and the service answers again with no manual step."""
+    engine, and the service answers again with no manual step. The same in an engine pool (one
+    engine), whose replicas are the same engine client."""
     import ray
 
-    name = "launcher-lost"
+    name = f"launcher-lost-{deployment.lower()}"
     seen: set[int] = set()
     try:
-        app, chat = _deploy_with_shim(serve_instance, name)
+        pool = {"engine_pool": {"min_engines": 1, "max_engines": 1}} if deployment == "EnginePool" else {}
+        app, chat = _deploy_with_shim(serve_instance, name, **pool)
         assert chat().usage.completion_tokens > 0
-        handle = app.engine_handle(0)
+        handle = serve.get_deployment_handle(deployment, app_name=name)  # (a pool of one: a call naming no engine reaches it)
         first = handle.launcher_status.remote().result(timeout_s=30)
         seen.update(first["tree"])
         ray.kill(ray.get_actor(first["launcher_name"], namespace="serve"), no_restart=True)
 
         def replaced() -> bool:
             status = handle.launcher_status.remote().result(timeout_s=10)
-            return status["launcher_name"] != first["launcher_name"] and app.engine_info().state == "ready"
+            return status["launcher_name"] != first["launcher_name"] and handle.info.remote().result(timeout_s=10).state == "ready"
 
         wait_for(replaced, 120, "Serve replaced the replica whose launcher was lost, and its new engine is ready")
         # The ingress learns of the new replica on its own (a request in between may get a 503).
@@ -183,7 +186,7 @@ def test_a_lost_launcher_makes_its_replica_unhealthy_and_serve_replaces_it(serve
         assert not any(_alive(pid) for pid in seen)  # the lost launcher's engine went with it
         seen.update(handle.launcher_status.remote().result(timeout_s=30)["tree"])
         logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-        logs = "".join(p.read_text(errors="replace") for p in logs_dir.glob(f"replica_{name}_EngineClient0_*.log"))
+        logs = "".join(p.read_text(errors="replace") for p in logs_dir.glob(f"replica_{name}_{deployment}_*.log"))
         # Said once, with the reason (Serve's failed health checks then quote it in their own lines).
         said = [line for line in logs.splitlines() if "failing health checks so that Serve replaces this replica" in line]
         assert len(said) == 1 and "its engine launcher is gone (" in said[0], said
