@@ -34,7 +34,7 @@ from mmserve.wire import EngineCoreRequest
 
 from .caller_watch import CallerWatch
 from .engine_client_server import EngineClientServer, EngineClientSettings
-from .engine_pool_autoscaling import ENGINE_REQUESTS_METRIC
+from .engine_pool_autoscaling import ENGINE_KV_CACHE_USAGE_METRIC, ENGINE_REQUESTS_METRIC
 from .raylet_watch import RayletWatch
 from .replica_logs import log_package_to_replica
 
@@ -193,9 +193,12 @@ class EngineClientDeployment:
         return await self.server.info() if self._mine(engine) else None
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metric (engine pools, `deployments/engine_pool_autoscaling.py`):
-        the requests this engine holds, running or waiting in its scheduler."""
-        return {ENGINE_REQUESTS_METRIC: float(self.server.client.num_in_flight)}
+        """Serve's custom autoscaling metrics (engine pools, `deployments/engine_pool_autoscaling.py`):
+        the requests this engine holds, running or waiting in its scheduler, and its KV-cache usage."""
+        stats = {ENGINE_REQUESTS_METRIC: float(self.server.client.num_in_flight)}
+        if (scheduler := self.server.client.scheduler_stats) is not None:
+            stats[ENGINE_KV_CACHE_USAGE_METRIC] = float(scheduler.kv_cache_usage)
+        return stats
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         return await self.server.call_utility(method, *args)

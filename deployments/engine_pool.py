@@ -19,7 +19,7 @@ from typing import Any
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from .engine_pool_autoscaling import engine_requests_policy
+from .engine_pool_autoscaling import EngineSaturationPolicy
 from .engine_pool_members import publish_members
 
 # The argument by which every call to a pool names the replica it is meant for.
@@ -62,6 +62,8 @@ class EnginePoolScaling:
     max_engines: int
     # Requests held per engine (running or queued in its scheduler) the pool scales to.
     target_requests_per_engine: float
+    # KV-cache usage per engine (0-1) the pool scales to; None: requests held only.
+    target_kv_cache_usage: float | None
     upscale_delay_s: float
     downscale_delay_s: float
     look_back_period_s: float
@@ -81,7 +83,10 @@ class EnginePoolScaling:
                 downscale_delay_s=self.downscale_delay_s,
                 look_back_period_s=self.look_back_period_s,
                 metrics_interval_s=min(1.0, self.look_back_period_s / 2),
-                policy=AutoscalingPolicy(policy_function=engine_requests_policy),
+                policy=AutoscalingPolicy(
+                    policy_function=EngineSaturationPolicy,
+                    policy_kwargs={"target_kv_cache_usage": self.target_kv_cache_usage},
+                ),
             ),
             "request_router_config": RequestRouterConfig(request_router_class=EngineReplicaRouter),
             # Serve waits this long for a stopping replica's calls to end: the ingress replicas end

@@ -117,7 +117,8 @@ class EnginePoolConfig(BaseModel):
     """Engines as the replicas of one deployment that Serve scales with their load: each replica
     starts its engine (`engine_launch`'s, or the built-in engine) and owns it. The pool grows when
     its engines hold more than `target_requests_per_engine` requests each (running or queued in their
-    schedulers) for `upscale_delay_s`, and shrinks when they hold fewer for `downscale_delay_s`; an
+    schedulers), or fill more than `target_kv_cache_usage` of their KV caches, for `upscale_delay_s`,
+    and shrinks when they hold fewer for `downscale_delay_s`; an
     engine being taken away gets no new requests and is stopped once its streams have finished (at
     most `drain_timeout_s`)."""
 
@@ -126,6 +127,9 @@ class EnginePoolConfig(BaseModel):
     min_engines: int = Field(default=1, ge=1)
     max_engines: int = Field(default=4, ge=1)
     target_requests_per_engine: float = Field(default=16.0, gt=0)
+    # Fraction of each engine's KV cache in use (vLLM's scheduler stats) the pool scales to; null:
+    # requests held only. Below 1, so that a pool grows before its engines preempt requests.
+    target_kv_cache_usage: float | None = Field(default=0.8, gt=0, le=1)
     upscale_delay_s: float = Field(default=10.0, ge=0)
     downscale_delay_s: float = Field(default=60.0, ge=0)
     look_back_period_s: float = Field(default=10.0, gt=0)

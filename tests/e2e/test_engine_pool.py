@@ -136,3 +136,40 @@ def _pool_replica_states(app_name: str) -> dict[str, int]:
 
     states = serve.status().applications[app_name].deployments["EnginePool"].replica_states
     return {str(getattr(state, "value", state)): count for state, count in states.items() if count}
+
+
+def test_engines_whose_kv_caches_fill_grow_the_pool_though_their_requests_are_few(serve_instance):
+    """Two long streams fill a built-in engine's KV cache (1024 tokens × 2 sequences) past
+    `target_kv_cache_usage` (0.3: ≈620 tokens; each stream ≈220 prompt tokens and 600 out), while the
+    requests it holds (2) are far below `target_requests_per_engine` (100): the pool grows to a
+    second engine on the KV-cache term alone."""
+    name = "enginepool-kv"
+    pool = {**POOL, "target_requests_per_engine": 100, "target_kv_cache_usage": 0.3}
+    app = deploy_app(serve_instance, name, {"engine_pool": pool, "builtin_engine": {
+        "step_interval_ms": STEP_MS, "max_model_len": 1024, "max_num_seqs": 2}})
+    url = app.base_url + "/v1/chat/completions"
+    try:
+        async def scenario() -> tuple[list, float | None]:
+            async with httpx.AsyncClient() as client:
+                prompt = " ".join("word" for _ in range(100))  # ≈200 tokens with the built-in tokenizer
+                streams = []
+                for n in range(2):
+                    body = {"model": BUILTIN, "messages": [{"role": "user", "content": f"{n} {prompt}"}], "max_tokens": 600,
+                            "ignore_eos": True, "stream": True}
+                    streams.append(asyncio.create_task(client.post(url, json=body, timeout=120)))
+                start, grown = time.monotonic(), None
+                while time.monotonic() - start < 30 and not all(s.done() for s in streams):
+                    if len(await asyncio.to_thread(_engines, app.base_url)) == 2:
+                        grown = time.monotonic() - start
+                        break
+                    await asyncio.sleep(0.2)
+                return [(await s).status_code for s in streams], grown
+
+        statuses, grown = asyncio.run(scenario())
+        print(f"engine pool on KV-cache usage: second engine after {grown} s")
+        assert statuses == [200, 200]
+        assert grown is not None, "the pool did not grow while two long contexts filled the engine's KV cache"
+    finally:
+        from ray import serve
+
+        serve.delete(name, _blocking=True)
