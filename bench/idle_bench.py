@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], help="NAME=K=V[,K=V...]: Ray settings added to README's")
     parser.add_argument("--out")
     args = parser.parse_args()
-    variants = {v.split("=", 1)[0]: dict(kv.split("=", 1) for kv in v.split("=", 1)[1].split(",")) for v in args.variant} or DEFAULT_VARIANTS
+    variants = {v.split("=", 1)[0]: dict(kv.split("=", 1) for kv in v.split("=", 1)[1].split(",") if kv) for v in args.variant} or DEFAULT_VARIANTS
     _, readme_env, port = fb.readme_quick_start()
     results: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
     for run in range(args.runs):
