@@ -48,6 +48,7 @@ class ServeRun:
             "RAY_USAGE_STATS_ENABLED": "0",
             # As README starts it: HAProxy in front of the ingress replicas' own HTTP servers.
             "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
             # Stopping: no 30 s deregistration window per ingress replica (README, HAProxy paragraph).
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
             "PYTHONPATH": str(REPO),

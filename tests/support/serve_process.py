@@ -38,7 +38,8 @@ def run_logged(cmd: list[str], *, timeout_s: float, cwd: Path | None = None, env
 
 def serve_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VIRTUAL_ENV", "PYTHONPATH"))}
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_SERVE_ENABLE_HA_PROXY="1")  # as README starts it
+    # As README starts it.
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_CONTROL_LOOP_INTERVAL_S="0.5")
     # Stopping: no 30 s deregistration window per ingress replica (README, HAProxy paragraph).
     env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"
     return env
