@@ -122,11 +122,13 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 class Ingress:
     def __init__(
         self, settings: ServingSettings, engines: list[DeploymentHandle], preprocessor: DeploymentHandle | None = None,
-        engine_pool: DeploymentHandle | None = None,
+        engine_pool: DeploymentHandle | None = None, engine_applications: str | None = None,
     ) -> None:
         log_package_to_replica()
         self.settings = settings
-        self.router = engine_router(engines, engine_pool, preprocessor, settings.engine_wait_timeout_s, settings.routing)
+        self.router = engine_router(
+            engines, engine_pool, preprocessor, settings.engine_wait_timeout_s, settings.routing, engine_applications
+        )
         self.metrics = Metrics()
         send_request_log_to(logger)
         self.server = OpenAIServer(settings, self.router, self.metrics)

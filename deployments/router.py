@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from ray import serve
@@ -31,6 +32,13 @@ from .engine_pool_members import pool_members
 
 logger = logging.getLogger("ray.serve")
 
+# Engine applications (`EngineApplications`): the one deployment each has, and how often the ingress
+# asks Serve's controller which there are.
+ENGINE_APPLICATION_DEPLOYMENT = "EngineClient0"
+ENGINE_APPLICATIONS_REFRESH_S = 2.0
+# How often a call to an engine application checks whether the application is being deleted.
+GONE_CHECK_S = 0.25
+
 # After the output stream broke: wait this long before subscribing again (the engine client's
 # replica is being replaced; Serve queues the call until the new one runs).
 RESUBSCRIBE_DELAY_S = 0.2
@@ -42,13 +50,17 @@ def engine_router(
     preprocessor: DeploymentHandle | None,
     wait_timeout_s: float,
     routing: RoutingSettings,
+    engine_applications: str | None = None,
 ) -> EngineRouter:
     """The ingress's router over these engine-client deployments (one engine each) or this engine
-    pool (one engine per replica, as many as Serve scales it to), and the preprocessor."""
+    pool (one engine per replica, as many as Serve scales it to), the engine applications named
+    `engine_applications`* (added and removed while serving), and the preprocessor."""
     caller = _replica_name()
     sources: list[EngineSource] = [StaticEngines([HandleEngineConnection(handle, caller) for handle in engines])]
     if engine_pool is not None:
         sources.append(EnginePoolMembers(engine_pool, caller))
+    if engine_applications is not None:
+        sources.append(EngineApplications(engine_applications, caller))
     return EngineRouter(
         sources,
         preprocessor=HandlePreprocessing(preprocessor) if preprocessor is not None else None,
@@ -81,25 +93,98 @@ class EnginePoolMembers:
         return self._connections
 
 
+class EngineApplications:
+    """Engines added and removed while serving: one per Serve application whose name starts with
+    `prefix` (each built by `serve_app:build_engine_app`: one engine client, `EngineClient0`), named
+    by the application's name, the same in every ingress replica. Serve's controller is asked for
+    the applications every `refresh_s` in the background; one being deleted (or gone) is no longer
+    listed, so the `EngineRouter` drains it, and its replica stops once those streams are done."""
+
+    def __init__(self, prefix: str, caller: str | None, refresh_s: float = ENGINE_APPLICATIONS_REFRESH_S) -> None:
+        self.prefix = prefix
+        self.caller = caller
+        self.refresh_s = refresh_s
+        self._names: set[str] = set()
+        self._connections: dict[str, HandleEngineConnection] = {}
+        self._poller: asyncio.Task[None] | None = None
+
+    def engines(self) -> Mapping[str, EngineConnection]:
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll(), name="engine-applications", context=contextvars.Context())
+        for name in self._names - self._connections.keys():
+            handle = serve.get_deployment_handle(ENGINE_APPLICATION_DEPLOYMENT, app_name=name)
+            self._connections[name] = HandleEngineConnection(handle, self.caller, gone=functools.partial(self._gone, name))
+        for name in self._connections.keys() - self._names:
+            del self._connections[name]
+        return self._connections
+
+    def _gone(self, name: str) -> bool:
+        return name not in self._names
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                self._names = await _running_applications(self.prefix)
+            except Exception as exc:  # the controller is restarting: keep what was listed
+                logger.warning("listing the engine applications failed: %s", exc)
+            await asyncio.sleep(self.refresh_s)
+
+
+async def _running_applications(prefix: str) -> set[str]:
+    """Names of the Serve applications starting with `prefix` that are deployed or deploying (not
+    being deleted, not failed to deploy)."""
+    from ray.serve._private.application_state import StatusOverview
+    from ray.serve.schema import ApplicationStatus
+    from ray.serve.context import _get_global_client
+    from ray.serve.generated.serve_pb2 import StatusOverview as StatusOverviewProto
+
+    serving = {ApplicationStatus.RUNNING, ApplicationStatus.DEPLOYING, ApplicationStatus.UNHEALTHY}
+    names = set()
+    for raw in await _get_global_client()._controller.list_serve_statuses.remote():
+        status = StatusOverview.from_proto(StatusOverviewProto.FromString(raw))
+        if status.name.startswith(prefix) and status.app_status.status in serving:
+            names.add(status.name)
+    return names
+
+
 class HandleEngineConnection:
     """One engine client through its deployment's handle: requests go as one `add` call each; their
     outputs come back over ZMQ to this replica's inbox, beside one long-lived `subscribe` call (see
     `mmserve.protocol`), read by a background task and handed to each request by `OutputDemux`.
     For an engine pool, `engine` names the replica every call is for (`deployments/engine_pool.py`)."""
 
-    def __init__(self, handle: DeploymentHandle, caller: str | None, engine: str = "") -> None:
+    def __init__(
+        self, handle: DeploymentHandle, caller: str | None, engine: str = "", gone: Callable[[], bool] | None = None
+    ) -> None:
         # By reference, whatever Ray's defaults (RAY_SERVE_THROUGHPUT_OPTIMIZED makes calls by
         # value): the preprocessor's response is resolved in the engine client, never here.
         self.handle = handle.options(_by_reference=True)
         # This replica's actor name: engine clients abort our requests if we die.
         self.caller = caller or ""
         self.engine = engine
+        # True once this engine's application is being deleted: Serve takes its replica out of the
+        # routers at once, so a call to it would wait for a replica forever (see `unless_gone`).
+        self.gone = gone
         self.demux = OutputDemux()
         self._reader: asyncio.Task[None] | None = None
         self._aborts: set[asyncio.Task[None]] = set()
 
     async def info(self) -> EngineInfo | None:
-        return await _own_request(self.handle.info, engine=self.engine)
+        return await self.unless_gone(_own_request(self.handle.info, engine=self.engine))
+
+    async def unless_gone(self, response: DeploymentResponse) -> Any:
+        """`response`'s result; given up (ReplicaLostError) once this engine is found gone."""
+        if self.gone is None:
+            return await response
+        call = asyncio.ensure_future(_result(response))
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=GONE_CHECK_S)
+            if done:
+                return call.result()
+            if self.gone():
+                response.cancel()
+                call.cancel()
+                raise ReplicaLostError("its engine application is being deleted")
 
     def generate(self, request: EngineCoreRequest, images: object | None) -> "HandleEngineCall":
         if self._reader is None or self._reader.done():
@@ -205,7 +290,7 @@ class HandleEngineCall:
         self._add = _own_request(connection.handle.add, self.request, self.images, connection.caller, engine=connection.engine)
         self._held = True  # until the answer says otherwise
         try:
-            return decode_admission(await self._add)
+            return decode_admission(await connection.unless_gone(self._add))
         except Exception:
             # The engine client does not hold the request: nothing to abort (an abort would make
             # it refuse a retry of the same request, after a preprocessing replica died).
@@ -257,6 +342,10 @@ def _own_request(method: Any, *args: Any, **kwargs: Any) -> DeploymentResponse:
     call it chose it for: an engine pool's calls, each meant for its own replica, made at once (the
     engines' states, the children of `n` > 1) would be handed each other's replicas."""
     return contextvars.Context().run(method.remote, *args, **kwargs)
+
+
+async def _result(response: DeploymentResponse) -> Any:
+    return await response
 
 
 def _replica_name() -> str | None:

@@ -1,10 +1,11 @@
 """mmserve's Ray Serve application: `serve run serve_app:app` (built-in engine) or
-`serve run serve_app:build_app model=DIR engines=tcp://HOST:PORT` (vLLM headless engines)."""
+`serve run serve_app:build_app model=DIR engines=tcp://HOST:PORT` (vLLM headless engines); engines
+added and removed while serving: `serve_app:build_engine_app`, one Serve application each."""
 
-from .builder import build_app
+from .builder import build_app, build_engine_app
 from .config import AppConfig, BuiltinEngineConfig, EngineEndpoint, LimitsConfig
 
-__all__ = ["AppConfig", "BuiltinEngineConfig", "EngineEndpoint", "LimitsConfig", "app", "build_app"]
+__all__ = ["AppConfig", "BuiltinEngineConfig", "EngineEndpoint", "LimitsConfig", "app", "build_app", "build_engine_app"]
 
 
 def __getattr__(name: str):

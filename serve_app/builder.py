@@ -23,6 +23,21 @@ HA_PROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
 # A placement bundle cannot be empty: the engine client reserves a sliver of a CPU.
 ENGINE_CLIENT_CPUS = 0.01
 
+# How long a deleted engine application may take to finish the streams it serves before Serve stops it.
+ENGINE_APPLICATION_DRAIN_TIMEOUT_S = 600.0
+
+
+def _engine_client_placement(config: AppConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An engine client's Ray actor options and placement group options."""
+    if config.engine_launch is None:
+        return {"num_cpus": 0, "resources": dict(config.engine_client_resources)}, {}
+    # Bundle 0: the engine client; bundle 1: its engine's launcher. STRICT_PACK puts both on one
+    # node (placed by the engine's resources), so they talk over loopback.
+    return {"num_cpus": ENGINE_CLIENT_CPUS}, {
+        "placement_group_bundles": [{"CPU": ENGINE_CLIENT_CPUS}, dict(config.engine_launch.resources)],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Build the mmserve application from builder args (see `AppConfig`)."""
@@ -42,16 +57,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             "%s is not set: Serve's Python proxy relays every request and SSE chunk (a quarter of the gateway's "
             "CPU per request, measured at 32 streams); start Ray with %s=1 (README, `cluster/`)", HA_PROXY_FLAG, HA_PROXY_FLAG,
         )
-    actor_options: dict = {"num_cpus": 0, "resources": dict(config.engine_client_resources)}
-    placement: dict = {}
-    if config.engine_launch is not None:
-        # Bundle 0: the engine client; bundle 1: its engine's launcher. STRICT_PACK puts both on one
-        # node (placed by the engine's resources), so they talk over loopback.
-        actor_options = {"num_cpus": ENGINE_CLIENT_CPUS}
-        placement = {
-            "placement_group_bundles": [{"CPU": ENGINE_CLIENT_CPUS}, dict(config.engine_launch.resources)],
-            "placement_group_strategy": "STRICT_PACK",
-        }
+    actor_options, placement = _engine_client_placement(config)
     engines = []
     engine_pool = None
     if (pool_scaling := engine_pool_scaling(config)) is not None:
@@ -74,4 +80,29 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         logging.getLogger("ray.serve").info("mmserve image resize path: %s", resize_path())
     return Ingress.options(
         num_replicas=config.ingress_replicas, max_queued_requests=config.limits.ingress_max_queued_requests
-    ).bind(serving_settings(config), engines, preprocessor, engine_pool)
+    ).bind(serving_settings(config), engines, preprocessor, engine_pool, config.engine_applications)
+
+
+def build_engine_app(args: dict[str, Any] | None = None) -> Application:
+    """One engine as a Serve application of its own (`serve_app:build_engine_app`), for an mmserve
+    application whose `engine_applications` prefix its name starts with: it routes to it while it is
+    deployed and drains it when it is deleted, and adding or removing one restarts nothing else.
+    The same arguments as `build_app` (the same model, limits and timeouts; one engine: `engines`
+    with one endpoint, `engine_launch`, or the built-in engine); give it `route_prefix: null`."""
+    from deployments.engine_client import EngineClientDeployment
+    from deployments.router import ENGINE_APPLICATION_DEPLOYMENT
+
+    from .settings import engine_client_settings
+
+    config = AppConfig.model_validate(args or {})
+    if config.engine_pool is not None or config.engine_applications is not None:
+        raise ValueError("an engine application is one engine: engine_pool and engine_applications belong to the mmserve application")
+    endpoints = config.engine_endpoints()
+    if len(endpoints) != 1:
+        raise ValueError(f"an engine application is one engine; got {len(endpoints)} (engines / engine_launch.count)")
+    actor_options, placement = _engine_client_placement(config)
+    return EngineClientDeployment.options(
+        name=ENGINE_APPLICATION_DEPLOYMENT, ray_actor_options=actor_options, **placement,
+        # Deleted, it stops once the ingress replicas' streams there have finished (their drain).
+        graceful_shutdown_timeout_s=ENGINE_APPLICATION_DRAIN_TIMEOUT_S, graceful_shutdown_wait_loop_s=1.0,
+    ).bind(engine_client_settings(config, endpoints[0]))

@@ -269,6 +269,10 @@ class AppConfig(BaseModel):
     # Engines (launched, or built-in) as one deployment Serve scales with their load; None: a fixed
     # number of engines (`engine_launch.count`, one built-in engine, or `engines`).
     engine_pool: EnginePoolConfig | None = None
+    # Engines added and removed while serving: every Serve application whose name starts with this
+    # prefix, built by `serve_app:build_engine_app` (one engine each), is routed to while it is
+    # deployed and drained when it is deleted; with `engines: []`, the only engines.
+    engine_applications: str | None = Field(default=None, min_length=1)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     images: ImagesConfig = Field(default_factory=ImagesConfig)
     preprocessor: PreprocessorDeploymentConfig = Field(default_factory=PreprocessorDeploymentConfig)
@@ -352,6 +356,8 @@ class AppConfig(BaseModel):
                 raise ValueError("with engine_pool every built-in engine needs a port of its own: builtin_engine.handshake's port must be 0")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser: the parser that reads the calls")
+        if self.engines == [] and self.engine_applications is None:
+            raise ValueError("engines is empty: list the engines, or set engine_applications to take them from Serve applications")
         if "builtin_engine" in given and not self.uses_builtin_engine:
             raise ValueError("builtin_engine does nothing with engines or engine_launch (no built-in engine runs); remove it")
         return self

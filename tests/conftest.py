@@ -67,6 +67,7 @@ OWN_CLUSTER_TESTS = {
     "tests/test_quickstart.py",
     "tests/deployments/test_fastapi_versions.py",
     "tests/e2e/test_default_limits.py",
+    "tests/e2e/test_engine_applications_deploy.py",
     "tests/e2e/test_engine_launch.py",
     "tests/e2e/test_multinode_colocation.py",
     "tests/e2e/test_ray_start_engine_pool.py",

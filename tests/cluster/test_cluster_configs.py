@@ -27,8 +27,13 @@ def test_serve_configs_validate(name, config):
 
     schema = ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(config)
     for app in schema.applications:
-        assert app.import_path in ("serve_app:build_app", "serve_app:app")
-        AppConfig.model_validate(app.args or {})
+        assert app.import_path in ("serve_app:build_app", "serve_app:app", "serve_app:build_engine_app")
+        config = AppConfig.model_validate(app.args or {})
+        if app.import_path == "serve_app:build_engine_app":
+            # One engine, reached through Serve only, named as its mmserve application's prefix says.
+            assert app.route_prefix is None and len(config.engine_endpoints()) == 1
+            prefixes = [a.args["engine_applications"] for a in schema.applications if (a.args or {}).get("engine_applications")]
+            assert any(app.name.startswith(prefix) for prefix in prefixes), app.name
 
 
 def test_launcher_config_shape():
