@@ -134,9 +134,9 @@ async def _running_applications(prefix: str) -> set[str]:
     """Names of the Serve applications starting with `prefix` that are deployed or deploying (not
     being deleted, not failed to deploy)."""
     from ray.serve._private.application_state import StatusOverview
-    from ray.serve.schema import ApplicationStatus
     from ray.serve.context import _get_global_client
     from ray.serve.generated.serve_pb2 import StatusOverview as StatusOverviewProto
+    from ray.serve.schema import ApplicationStatus
 
     serving = {ApplicationStatus.RUNNING, ApplicationStatus.DEPLOYING, ApplicationStatus.UNHEALTHY}
     names = set()
@@ -177,14 +177,16 @@ class HandleEngineConnection:
         if self.gone is None:
             return await response
         call = asyncio.ensure_future(_result(response))
-        while True:
-            done, _ = await asyncio.wait({call}, timeout=GONE_CHECK_S)
-            if done:
-                return call.result()
-            if self.gone():
-                response.cancel()
-                call.cancel()
-                raise ReplicaLostError("its engine application is being deleted")
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=GONE_CHECK_S)
+                if done:
+                    return call.result()
+                if self.gone():
+                    response.cancel()
+                    raise ReplicaLostError("its engine application is being deleted")
+        finally:
+            call.cancel()  # (given up, or this caller was cancelled: nothing awaits it any more)
 
     def generate(self, request: EngineCoreRequest, images: object | None) -> "HandleEngineCall":
         if self._reader is None or self._reader.done():
