@@ -176,7 +176,7 @@ class HandleEngineConnection:
         """`response`'s result; given up (ReplicaLostError) once this engine is found gone."""
         if self.gone is None:
             return await response
-        call = asyncio.ensure_future(_result(response))
+        call = asyncio.ensure_future(response)
         try:
             while True:
                 done, _ = await asyncio.wait({call}, timeout=GONE_CHECK_S)
@@ -344,10 +344,6 @@ def _own_request(method: Any, *args: Any, **kwargs: Any) -> DeploymentResponse:
     call it chose it for: an engine pool's calls, each meant for its own replica, made at once (the
     engines' states, the children of `n` > 1) would be handed each other's replicas."""
     return contextvars.Context().run(method.remote, *args, **kwargs)
-
-
-async def _result(response: DeploymentResponse) -> Any:
-    return await response
 
 
 def _replica_name() -> str | None:

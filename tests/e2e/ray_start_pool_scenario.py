@@ -198,10 +198,7 @@ def app_processes(model_dir: str) -> list[str]:
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                argv = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
+            argv = _cmdline(int(entry))
             if "ray_start_pool_scenario" in argv:  # this scenario (and what started it)
                 continue
             if model_dir in argv or "EngineLauncher" in argv or "ServeReplica:mmserve" in argv:
