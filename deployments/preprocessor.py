@@ -76,7 +76,8 @@ def build_preprocessor(settings: PreprocessorSettings) -> ImagePreprocessor:
     return ImagePreprocessor(family, settings.fetch, settings.limits, cache_bytes=settings.cache_bytes)
 
 
-@serve.deployment(name="Preprocessor")
+# No access line per call: each is one image request, which the ingress's access line records.
+@serve.deployment(name="Preprocessor", logging_config={"enable_access_log": False})
 class PreprocessorDeployment:
     def __init__(self, settings: PreprocessorSettings) -> None:
         log_package_to_replica()

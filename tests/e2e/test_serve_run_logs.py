@@ -108,6 +108,12 @@ def test_request_lines_metrics_and_no_tracebacks_for_client_mistakes(serve_run):
     assert not bad, "\n".join(bad[:40])
     # The refused image left one INFO line in the preprocessor, naming it.
     assert serve_run.replica_logs("Preprocessor").count("image refused:") == 3
+    # Calls between replicas leave no access line of their own: the ingress's access line and
+    # the request line record each request, and a line per internal call would be written,
+    # shipped to the driver and printed for every request (issue 16).
+    assert "POST /v1/chat/completions" in serve_run.replica_logs("Ingress")
+    assert "CALL add" not in serve_run.replica_logs("EngineClient0")
+    assert "CALL process" not in serve_run.replica_logs("Preprocessor")
 
 
 def _builtin_engine_pids(run) -> list[int]:
