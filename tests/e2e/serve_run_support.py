@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.serve_process import sigint_as_default
+from tests.support.serve_process import readme_ray_settings, sigint_as_default
 from tests.support.vllm_engines import free_tcp_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,11 +44,10 @@ class ServeRun:
         self.env = {
             **os.environ,
             "RAY_TMPDIR": str(self.tmp),
-            "RAY_AUTH_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0",
-            # As README starts it: HAProxy in front of the ingress replicas' own HTTP servers.
-            "RAY_SERVE_ENABLE_HA_PROXY": "1",
-            "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+            # As README starts it: HAProxy in front of the ingress replicas' own HTTP servers, and
+            # Serve's intervals.
+            **readme_ray_settings(),
             # Stopping: no 30 s deregistration window per ingress replica (README, HAProxy paragraph).
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
             "PYTHONPATH": str(REPO),

@@ -6,6 +6,8 @@ its own HTTP port and its own process group, so stopping it never touches anothe
 """
 
 import os
+import re
+import shlex
 import signal
 import subprocess
 import time
@@ -36,10 +38,30 @@ def run_logged(cmd: list[str], *, timeout_s: float, cwd: Path | None = None, env
     return proc
 
 
+def readme_ray_settings() -> dict[str, str]:
+    """The `NAME=value` settings README's quick-start command puts before `.venv/bin/serve`
+    (HAProxy, Serve's control loop and metrics intervals, ...): every `serve run` of the suite
+    starts its Ray instance with them, as a user does, and follows README when it changes."""
+    section = (REPO / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    line = next((ln for ln in (block.group(1) if block else "").splitlines() if "serve run serve_app:app" in ln), "")
+    segment = next((s for s in line.split("&&") if "serve run serve_app:app" in s), "")
+    settings: dict[str, str] = {}
+    for token in shlex.split(segment):
+        if token.endswith("bin/serve"):
+            break
+        name, sep, value = token.partition("=")
+        if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            settings[name] = value
+    if settings.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        raise AssertionError(f"README's quick-start command lost its Ray settings: {segment!r}")
+    return settings
+
+
 def serve_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VIRTUAL_ENV", "PYTHONPATH"))}
     # As README starts it.
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_CONTROL_LOOP_INTERVAL_S="0.5")
+    env.update(readme_ray_settings(), RAY_USAGE_STATS_ENABLED="0")
     # Stopping: no 30 s deregistration window per ingress replica (README, HAProxy paragraph).
     env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"
     return env
