@@ -88,6 +88,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from tests.support.reference_venv import reference_vllm_version  # noqa: E402
+from tests.support.serve_process import readme_ray_settings  # noqa: E402
 from tests.support.tiny_models import build_tiny_qwen2_vl  # noqa: E402
 from tests.support.vllm_engines import HeadlessVllmEngine, VllmApiServer, free_tcp_port  # noqa: E402
 
@@ -467,22 +468,14 @@ def run_vllm(run: int, model_dir: Path, work: Path, bodies: dict[str, list[dict[
 
 def readme_quick_start() -> tuple[str, dict[str, str], int]:
     """README's quick-start line that runs `serve run serve_app:app`, the `NAME=value` settings before
-    `.venv/bin/serve` in its `&&` segment, and the port the quick start serves on."""
+    `.venv/bin/serve` in its `&&` segment (the test suite's parser), and the port the quick start serves on."""
     section = (REPO / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
     line = next((ln for ln in (block.group(1) if block else "").splitlines() if "serve run serve_app:app" in ln), None)
     if line is None:
         raise RuntimeError("README's quick start has no ```bash line with `serve run serve_app:app`")
-    segment = next(s for s in line.split("&&") if "serve run serve_app:app" in s)
-    env: dict[str, str] = {}
-    for token in shlex.split(segment):
-        if token.endswith("bin/serve") or token == "serve":
-            break
-        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", token):
-            name, value = token.split("=", 1)
-            env[name] = value
     port = re.search(r"http://127\.0\.0\.1:(\d+)", section)
-    return line.strip(), env, int(port.group(1)) if port else 8000
+    return line.strip(), readme_ray_settings(), int(port.group(1)) if port else 8000
 
 
 def port_is_free(port: int) -> bool:
