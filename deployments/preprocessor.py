@@ -34,6 +34,8 @@ class PreprocessorSettings:
     limits: PreprocessorLimits
     cache_bytes: int
     pixel_mode: str  # for the start-up log: the ingress asks per request
+    # Threads decoding and resizing at once: the CPUs the replica reserves (`preprocessor.num_cpus`).
+    pixel_threads: int
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,9 @@ def build_preprocessor(settings: PreprocessorSettings) -> ImagePreprocessor:
     family = load_image_family(settings.model_dir)
     if family is None:
         raise ValueError(f"{settings.model_dir} is not a vision model this gateway can preprocess for")
-    return ImagePreprocessor(family, settings.fetch, settings.limits, cache_bytes=settings.cache_bytes)
+    return ImagePreprocessor(
+        family, settings.fetch, settings.limits, cache_bytes=settings.cache_bytes, pixel_threads=settings.pixel_threads
+    )
 
 
 # No access line per call: each is one image request, which the ingress's access line records.
@@ -83,8 +87,8 @@ class PreprocessorDeployment:
         log_package_to_replica()
         self.preprocessor = build_preprocessor(settings)
         logger.info(
-            "preprocessor for %s images (pixel mode %s; image resize path: %s)",
-            self.preprocessor.family.name, settings.pixel_mode, resize_path(),
+            "preprocessor for %s images (pixel mode %s; image resize path: %s; %d pixel thread(s))",
+            self.preprocessor.family.name, settings.pixel_mode, resize_path(), settings.pixel_threads,
         )
 
     async def process(self, request: ImageBatchRequest) -> ProcessedImages | ImagesRefused:

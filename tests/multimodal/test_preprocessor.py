@@ -28,11 +28,11 @@ def _uri(width: int, height: int, seed: int) -> str:
 
 
 def _preprocessor(
-    cache_bytes: int = 64 * 1024 * 1024, max_images: int = 4, max_pixels_in_flight: int = 10**8
+    cache_bytes: int = 64 * 1024 * 1024, max_images: int = 4, max_pixels_in_flight: int = 10**8, pixel_threads: int = 1
 ) -> ImagePreprocessor:
     family = load_image_family(BUILTIN_MODEL_DIR)
     limits = preprocessor_limits(max_images_per_request=max_images, max_pixels_in_flight=max_pixels_in_flight)
-    return ImagePreprocessor(family, fetch_policy(), limits, cache_bytes)
+    return ImagePreprocessor(family, fetch_policy(), limits, cache_bytes, pixel_threads=pixel_threads)
 
 
 def _request(urls: list[str], mode: PixelMode = PixelMode.DEVICE_NORMALIZE) -> ImageBatchRequest:
@@ -171,3 +171,60 @@ def test_the_budget_is_given_back_after_success_and_after_a_failing_image(decode
     with pytest.raises(ImageInputError, match="^image 2: cannot decode"):  # its header is fine: it fails decoding
         _run(pre, [_uri(120, 100, 3), truncated])
     assert pre.budget.in_use == 0 and decodes.count == 4
+
+
+@pytest.mark.parametrize("pixel_threads", [1, 2])
+def test_pixel_work_runs_on_the_replicas_pixel_threads_only(monkeypatch, pixel_threads):
+    """However many requests wait, no more images are decoded at once than the replica has pixel
+    threads (the cores it reserves): more threads on the same cores only cost CPU."""
+    decode, lock, gate = preprocessor_module.decode_image, threading.Lock(), threading.Event()
+    active = {"now": 0, "most": 0, "done": 0}
+
+    def slow_decode(data, limits):
+        with lock:
+            active["now"] += 1
+            active["most"] = max(active["most"], active["now"])
+        gate.wait(10)  # every decode waits until all requests have been sent
+        with lock:
+            active["now"] -= 1
+            active["done"] += 1
+        return decode(data, limits)
+
+    monkeypatch.setattr(preprocessor_module, "decode_image", slow_decode)
+    pre = _preprocessor(pixel_threads=pixel_threads)
+
+    async def scenario():
+        requests = [asyncio.create_task(pre.process(_request([_uri(64, 48, seed)]))) for seed in range(6)]
+        await asyncio.sleep(0.5)  # time for every thread there is to start decoding
+        decoding_at_once = active["now"]
+        gate.set()
+        return decoding_at_once, await asyncio.gather(*requests)
+
+    decoding_at_once, outputs = asyncio.run(scenario())
+    assert decoding_at_once == active["most"] == pixel_threads
+    assert all(len(out.images) == 1 for out in outputs) and active["done"] == 6
+
+
+def test_a_request_cancelled_while_waiting_for_a_pixel_thread_gives_its_pixels_back(decodes):
+    pre = _preprocessor(max_pixels_in_flight=100_000)
+
+    async def scenario():
+        decodes.hold()
+        first = asyncio.create_task(pre.process(_request([_uri(100, 100, 0)])))
+        assert await asyncio.to_thread(decodes.entered.wait, 10)
+        waiting = asyncio.create_task(pre.process(_request([_uri(200, 100, 1)])))
+        while pre.budget.in_use < 30_000:  # admitted, waiting for the one pixel thread
+            await asyncio.sleep(0.01)
+        waiting.cancel()
+        decodes.let_go()
+        await first
+        for _ in range(500):
+            if pre.budget.in_use == 0:
+                break
+            await asyncio.sleep(0.01)
+        return waiting
+
+    waiting = asyncio.run(scenario())
+    assert waiting.cancelled()
+    assert pre.budget.in_use == 0 and pre.budget.peak == 30_000 and decodes.count == 2
+
