@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from ray import serve
@@ -36,8 +35,6 @@ logger = logging.getLogger("ray.serve")
 # asks Serve's controller which there are.
 ENGINE_APPLICATION_DEPLOYMENT = "EngineClient0"
 ENGINE_APPLICATIONS_REFRESH_S = 2.0
-# How often a call to an engine application checks whether the application is being deleted.
-GONE_CHECK_S = 0.25
 
 # After the output stream broke: wait this long before subscribing again (the engine client's
 # replica is being replaced; Serve queues the call until the new one runs).
@@ -106,6 +103,8 @@ class EngineApplications:
         self.refresh_s = refresh_s
         self._names: set[str] = set()
         self._connections: dict[str, HandleEngineConnection] = {}
+        # Set when the application's name is no longer listed: calls on their way there give up.
+        self._gone: dict[str, asyncio.Event] = {}
         self._poller: asyncio.Task[None] | None = None
 
     def engines(self) -> Mapping[str, EngineConnection]:
@@ -113,13 +112,9 @@ class EngineApplications:
             self._poller = asyncio.get_running_loop().create_task(self._poll(), name="engine-applications", context=contextvars.Context())
         for name in self._names - self._connections.keys():
             handle = serve.get_deployment_handle(ENGINE_APPLICATION_DEPLOYMENT, app_name=name)
-            self._connections[name] = HandleEngineConnection(handle, self.caller, gone=functools.partial(self._gone, name))
-        for name in self._connections.keys() - self._names:
-            del self._connections[name]
+            self._gone[name] = asyncio.Event()
+            self._connections[name] = HandleEngineConnection(handle, self.caller, gone=self._gone[name])
         return self._connections
-
-    def _gone(self, name: str) -> bool:
-        return name not in self._names
 
     async def _poll(self) -> None:
         while True:
@@ -127,6 +122,11 @@ class EngineApplications:
                 self._names = await _running_applications(self.prefix)
             except Exception as exc:  # the controller is restarting: keep what was listed
                 logger.warning("listing the engine applications failed: %s", exc)
+            for name in self._gone.keys() - self._names:
+                # No longer listed: calls on their way there give up, and a new connection is made
+                # if the name is listed again.
+                self._gone.pop(name).set()
+                self._connections.pop(name, None)
             await asyncio.sleep(self.refresh_s)
 
 
@@ -154,7 +154,7 @@ class HandleEngineConnection:
     For an engine pool, `engine` names the replica every call is for (`deployments/engine_pool.py`)."""
 
     def __init__(
-        self, handle: DeploymentHandle, caller: str | None, engine: str = "", gone: Callable[[], bool] | None = None
+        self, handle: DeploymentHandle, caller: str | None, engine: str = "", gone: asyncio.Event | None = None
     ) -> None:
         # By reference, whatever Ray's defaults (RAY_SERVE_THROUGHPUT_OPTIMIZED makes calls by
         # value): the preprocessor's response is resolved in the engine client, never here.
@@ -162,7 +162,7 @@ class HandleEngineConnection:
         # This replica's actor name: engine clients abort our requests if we die.
         self.caller = caller or ""
         self.engine = engine
-        # True once this engine's application is being deleted: Serve takes its replica out of the
+        # Set once this engine's application is being deleted: Serve takes its replica out of the
         # routers at once, so a call to it would wait for a replica forever (see `unless_gone`).
         self.gone = gone
         self.demux = OutputDemux()
@@ -177,16 +177,17 @@ class HandleEngineConnection:
         if self.gone is None:
             return await response
         call = asyncio.ensure_future(response)
+        gone = asyncio.ensure_future(self.gone.wait())
         try:
-            while True:
-                done, _ = await asyncio.wait({call}, timeout=GONE_CHECK_S)
-                if done:
-                    return call.result()
-                if self.gone():
-                    response.cancel()
-                    raise ReplicaLostError("its engine application is being deleted")
+            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if call.done():
+                return call.result()
+            response.cancel()
+            raise ReplicaLostError("its engine application is being deleted")
         finally:
-            call.cancel()  # (given up, or this caller was cancelled: nothing awaits it any more)
+            # Given up, answered, or this caller was cancelled: nothing awaits either any more.
+            call.cancel()
+            gone.cancel()
 
     def generate(self, request: EngineCoreRequest, images: object | None) -> "HandleEngineCall":
         if self._reader is None or self._reader.done():
