@@ -9,7 +9,6 @@ import asyncio
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,21 +48,20 @@ MAX_MODEL_LEN = 1024
 
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Port 0: the front-end's socket binds a port the kernel picks and reports it. A port found free
+# first and bound later can be taken in between (Ray starting beside the suite did, once).
+ANY_PORT = "tcp://127.0.0.1:0"
 
 
 class Engine:
     """An engine subprocess plus the EngineClient it talks to."""
 
     def __init__(self, *, step_ms: float = 1.0, max_num_seqs: int = 256, env: dict | None = None, command=builtin_engine_command) -> None:
-        self.handshake = f"tcp://127.0.0.1:{free_port()}"
         self.client = EngineClient(
-            engine_client_config(EngineAddresses(self.handshake), handshake_timeout_s=60, health_check_interval_s=0.5, health_check_timeout_s=10)
+            engine_client_config(EngineAddresses(ANY_PORT), handshake_timeout_s=60, health_check_interval_s=0.5, health_check_timeout_s=10)
         )
         self.client.bind()
+        self.handshake = self.client.handshake_address
         cmd = command(
             self.handshake, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs, step_interval_ms=step_ms
         )
@@ -434,8 +432,8 @@ async def test_the_production_engine_has_no_test_hook():
 
 
 async def test_fatal_error_frame_on_the_wire():
-    handshake = f"tcp://127.0.0.1:{free_port()}"
-    transport = EngineTransport(EngineAddresses(handshake))
+    transport = EngineTransport(EngineAddresses(ANY_PORT))
+    handshake = transport.handshake_address
     proc = subprocess.Popen(builtin_engine_argv(handshake, command=fatal_engine_command))
     try:
         await transport.handshake(60)
@@ -479,8 +477,8 @@ def vllm_codec():
 async def test_interop_with_vllm_codec(vllm_codec, tokenizer):
     """vLLM's MsgpackEncoder → built-in engine → vLLM's MsgpackDecoder(EngineCoreOutputs)."""
     v = vllm_codec
-    handshake = f"tcp://127.0.0.1:{free_port()}"
-    transport = EngineTransport(EngineAddresses(handshake))
+    transport = EngineTransport(EngineAddresses(ANY_PORT))
+    handshake = transport.handshake_address
     proc = subprocess.Popen(builtin_engine_argv(handshake, max_model_len=MAX_MODEL_LEN, step_interval_ms=1))
     decoder = v["MsgpackDecoder"](v["EngineCoreOutputs"])
     try:

@@ -215,4 +215,4 @@ def test_disconnects_and_an_engine_death_leave_one_info_line_each_and_no_traceba
     assert not bad, "\n".join(bad[:60])
     # The engine's death: said once, with its reason, by its engine client.
     deaths = [line for line in serve_run.replica_logs("EngineClient0").splitlines() if "engine declared dead" in line]
-    assert len(deaths) == 1, deaths
+    assert len(deaths) == 1, "\n".join(deaths)  # whole lines: pytest would cut them short
