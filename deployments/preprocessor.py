@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from ray import serve
 
 from mmserve.fetch import FetchPolicy
@@ -20,6 +21,7 @@ from mmserve.multimodal.errors import ImageInputError, PreprocessorBusyError, im
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
 from mmserve.vision import resize_path
 
+from .inline_args import join_payloads
 from .replica_logs import log_package_to_replica
 
 logger = logging.getLogger("ray.serve")
@@ -91,8 +93,13 @@ class PreprocessorDeployment:
             self.preprocessor.family.name, settings.pixel_mode, resize_path(), settings.pixel_threads,
         )
 
-    async def process(self, request: ImageBatchRequest) -> ProcessedImages | ImagesRefused:
-        """A refusal is an answer, not a failure: one INFO line here, a 400, 413 or 503 for the client."""
+    async def process(
+        self, request: ImageBatchRequest, piece_counts: list[int] | None = None, *pieces: str
+    ) -> ProcessedImages | ImagesRefused:
+        """A refusal is an answer, not a failure: one INFO line here, a 400, 413 or 503 for the client.
+        With `piece_counts`, the request's payloads came cut into `pieces` (`inline_args.py`)."""
+        if piece_counts is not None:
+            request = msgspec.structs.replace(request, urls=join_payloads(piece_counts, pieces))
         try:
             return await self.preprocessor.process(request)
         except (ImageInputError, PreprocessorBusyError) as exc:

@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import msgspec
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException
@@ -28,6 +29,7 @@ from mmserve.protocol import NOT_THIS_ENGINE, Admission, EngineEvent, EngineInfo
 from mmserve.wire import EngineCoreRequest
 
 from .engine_pool_members import pool_members
+from .inline_args import cut_payloads
 
 logger = logging.getLogger("ray.serve")
 
@@ -335,8 +337,13 @@ class HandlePreprocessing:
         self.handle = handle.options(_by_reference=True)  # its response is an argument of `add` (above)
 
     def process(self, request: ImageBatchRequest) -> DeploymentResponse:
-        """Unawaited: Ray resolves it in the engine client, so the pixels never pass through the ingress."""
-        return self.handle.process.remote(request)
+        """Unawaited: Ray resolves it in the engine client, so the pixels never pass through the ingress.
+        Data URIs go inside the call, cut into pieces (`inline_args.py`), not through the object store."""
+        cut = cut_payloads(request.urls)
+        if cut is None:
+            return self.handle.process.remote(request)
+        counts, pieces = cut
+        return self.handle.process.remote(msgspec.structs.replace(request, urls=[]), counts, *pieces)
 
 
 def _own_request(method: Any, *args: Any, **kwargs: Any) -> DeploymentResponse:
