@@ -256,6 +256,9 @@ async def test_data_uri_ok():
     [
         "@@@@",  # not in the alphabet
         "iVBORw0KGgo=AAA",  # padding in the middle
+        "iVBORw0KGgo=AAAA",  # padding in the middle, length a multiple of 4
+        "====",  # padding only
+        "iVBORw0KGgo==",  # too much padding
         "iVBO Rw0K",  # whitespace
         "iVBORw0KGg",  # not padded to a multiple of 4
         "iVBORw0KGgo-_A==",  # url-safe alphabet
@@ -271,7 +274,7 @@ async def test_data_uri_too_big_refused_from_length_before_decoding(monkeypatch)
     def no_decode(*args, **kwargs):
         raise AssertionError("base64 was decoded although the length already shows the image is too big")
 
-    monkeypatch.setattr(local_module.base64, "b64decode", no_decode)
+    monkeypatch.setattr(local_module.binascii, "a2b_base64", no_decode)
     policy = fetch_policy(max_image_bytes=1000)
     # Garbage payload: if the size were not checked first, the error would be about base64.
     with pytest.raises(FetchError, match="image exceeds 1000 bytes"):
