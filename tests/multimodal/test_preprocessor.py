@@ -228,3 +228,28 @@ def test_a_request_cancelled_while_waiting_for_a_pixel_thread_gives_its_pixels_b
     assert waiting.cancelled()
     assert pre.budget.in_use == 0 and pre.budget.peak == 30_000 and decodes.count == 2
 
+
+
+@pytest.mark.parametrize("over", [False, True])
+def test_cache_keys_are_hashed_off_the_event_loop_only_for_requests_over_the_threshold(monkeypatch, over):
+    """Hashing 1 MiB takes ≈0.5 ms: below `HASH_ON_LOOP_MAX_BYTES` a request's keys are hashed on the
+    event loop (no thread hop), above it on a worker thread (the loop keeps serving other requests).
+    Either way the keys are the same: the same image is a cache hit across the threshold."""
+    uri = _uri(96, 64, 7)
+    encoded = len(base64.b64decode(uri.split(",", 1)[1]))
+    # The threshold just below or just above this request's encoded bytes.
+    monkeypatch.setattr(preprocessor_module, "HASH_ON_LOOP_MAX_BYTES", encoded - 1 if over else encoded)
+    pre = _preprocessor()
+    keys_computed = pre._cache_keys
+    hashed_on: list[bool] = []
+
+    def recorded(payloads, dtype):
+        hashed_on.append(threading.current_thread() is threading.main_thread())  # asyncio.run's loop thread
+        return keys_computed(payloads, dtype)
+
+    monkeypatch.setattr(pre, "_cache_keys", recorded)
+    first = _run(pre, [uri])
+    monkeypatch.setattr(preprocessor_module, "HASH_ON_LOOP_MAX_BYTES", encoded if over else encoded - 1)
+    second = _run(pre, [uri])  # hashed the other way: still the same key, so from the cache
+    assert hashed_on == ([False, True] if over else [True, False])
+    assert pre.cache.hits == 1 and second.images[0] is first.images[0]
