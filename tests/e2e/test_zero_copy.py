@@ -121,9 +121,17 @@ def test_a_data_uri_over_rays_inline_limit_goes_to_the_preprocessor_inside_the_c
         uri = _noise_png_uri(side + i)  # distinct: not the preprocessor's cache, pixels made every time
         assert 150_000 < len(uri) < 1_000_000
         request = ImageBatchRequest(urls=[uri], pixel_mode=PixelMode.HOST_NORMALIZE, engine_dtype="bfloat16")
-        objects_before = _object_store_created()[0]
-        cut = preprocessing.process(request).result(timeout_s=60)
-        assert _object_store_created()[0] - objects_before == 1  # the pixels
+        # The counter is the node's: other applications of the suite's shared Ray instance may add an
+        # object of their own meanwhile, so a call gets three tries to show its count alone. Sent whole,
+        # every try shows two (the URI and the pixels).
+        created = []
+        for _ in range(3):
+            objects_before = _object_store_created()[0]
+            cut = preprocessing.process(request).result(timeout_s=60)
+            created.append(_object_store_created()[0] - objects_before)
+            if created[-1] == 1:  # the pixels
+                break
+        assert created[-1] == 1, created
         assert isinstance(cut, ProcessedImages), cut
         whole = handle.process.remote(request).result(timeout_s=60)  # the URI as one argument
         assert [image.mm_hash for image in cut.images] == [image.mm_hash for image in whole.images]
