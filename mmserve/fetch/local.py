@@ -12,6 +12,10 @@ from urllib.parse import unquote, urlsplit
 from .policy import FetchError, FetchPolicy
 
 _MIME_TYPE = re.compile(r"image/[a-z0-9][a-z0-9.+\-]*")
+_NOT_BASE64 = (
+    "data: URI payload is not valid base64 (expected the standard alphabet A-Z a-z 0-9 + /, "
+    "padded with '=' to a multiple of 4 characters, no whitespace)"
+)
 
 
 def decode_data_uri(url: str, policy: FetchPolicy) -> bytes:
@@ -43,15 +47,12 @@ def decode_data_uri(url: str, policy: FetchPolicy) -> bytes:
     # One pass: strict mode refuses what is outside the alphabet, padding anywhere but at the end,
     # and whitespace, as a separate regex match (and b64decode(validate=True)'s own) would: two
     # scans of the payload fewer, ≈0.5 ms per 130-KB image.
+    if n % 4 != 0:
+        raise FetchError(_NOT_BASE64)
     try:
-        if n % 4 != 0:
-            raise binascii.Error("length not a multiple of 4")
         return binascii.a2b_base64(raw, strict_mode=True)
     except (binascii.Error, ValueError):
-        raise FetchError(
-            "data: URI payload is not valid base64 (expected the standard alphabet A-Z a-z 0-9 + /, "
-            "padded with '=' to a multiple of 4 characters, no whitespace)"
-        ) from None
+        raise FetchError(_NOT_BASE64) from None
 
 
 # --------------------------------------------------------------------------------------------- file:
