@@ -1,6 +1,6 @@
 """Images per second per core: mmserve.vision vs Hugging Face's Qwen2-VL / CLIP processors.
 
-    python bench/preprocess_bench.py [--rounds 5] [--seconds 0.4] [--clock cpu|wall]
+    python bench/preprocess_bench.py [--rounds 5] [--seconds 0.4] [--clock cpu|wall] [--resize auto|numba|numpy]
 
 Everything runs on one thread (torch, OpenMP, OpenBLAS, MKL), from the same JPEG bytes to the engine's
 tensors, on synthetic photo-like JPEGs (gradients, shapes, noise; quality 90). Both sides decode those
@@ -12,7 +12,8 @@ machine disturbs far less than wall time (all work is single-threaded, so the tw
 
 Rows:
 - floor: JPEG decode alone (to a PIL image; to a numpy array); decode + exact resize alone
-  (pillow-simd when installed, else the numpy resize) and decode + torch's uint8 antialiased resize;
+  (`--resize auto`: pillow-simd when installed, else the compiled one, else the numpy one; `numba` or
+  `numpy` forces that path) and decode + torch's uint8 antialiased resize;
 - mmserve: `decode_rgb` + `Qwen2VLSettings.process` — the gateway's path (uint8 = vLLM 0.32's default
   device normalisation; bf16 = normalised and cast), `+ content hash`, and `decode_image` + `process`
   (the PIL image handed over without a numpy round trip);
@@ -45,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mmserve.vision import LlavaSettings, PixelDtype, Qwen2VLSettings, decode_rgb  # noqa: E402
 from mmserve.vision.image_io import decode_image  # noqa: E402
-from mmserve.vision.resize import pillow_simd_active, resize_channels  # noqa: E402
+from mmserve.vision import resize as resize_module  # noqa: E402
+from mmserve.vision.resize import pillow_simd_active, resize_channels, resize_path  # noqa: E402
 from tests.support.defaults import image_limits  # noqa: E402
 
 LIMITS = image_limits()
@@ -109,7 +111,13 @@ def main() -> None:
     parser.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     parser.add_argument("--families", default="qwen2_vl,llava,qwen3_vl",
                         help="comma-separated subset of qwen2_vl, llava, qwen3_vl (floors come with qwen2_vl)")
+    parser.add_argument("--resize", choices=["auto", "numba", "numpy"], default="auto",
+                        help="the exact resize our rows use: auto = what the service would pick; numba/numpy force one")
     args = parser.parse_args()
+    if args.resize != "auto":
+        resize_module._pillow_simd_verdict = False
+        resize_module._numba_verdict = args.resize == "numba"
+    resize_module.warm_up()
     families = set(args.families.split(","))
     clock = CLOCKS[args.clock]
 
@@ -126,7 +134,7 @@ def main() -> None:
     qwen3 = Qwen2VLSettings.from_config(qwen3_config)
     hf_qwen3 = Qwen2VLImageProcessor(**qwen3_config)
     bf16 = PixelDtype.BFLOAT16
-    exact_resize = "pillow-simd" if pillow_simd_active() else "numpy"
+    exact_resize = resize_path()
 
     targets = [qwen.resized_size(width, height) for width, height in SIZES]
     jpegs = [synthetic_jpeg(w, h) for w, h in SIZES]
@@ -181,7 +189,7 @@ def main() -> None:
         "OMP/OpenBLAS/MKL/torch threads = 1).",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores ({cpu_model()}), shared with other jobs "
         f"(load average at the end: {os.getloadavg()[0]:.1f}); Python {platform.python_version()}, numpy {np.__version__}, "
-        f"Pillow {PIL.__version__} (pillow-simd active: {pillow_simd_active()}), torch {torch.__version__}, "
+        f"Pillow {PIL.__version__} (pillow-simd active: {pillow_simd_active()}; our rows resize with {resize_path()}), torch {torch.__version__}, "
         f"transformers {transformers_version()}.",
         "Input: the same JPEG bytes for both sides, decoded by the same Pillow. "
         "Targets (column headers) are the Qwen2-VL default sizes (max_pixels 1003520); LLaVA rows crop 336×336 "

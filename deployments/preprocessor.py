@@ -19,7 +19,7 @@ from mmserve.fetch import FetchPolicy
 from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages, load_image_family
 from mmserve.multimodal.errors import ImageInputError, PreprocessorBusyError, images_refused
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
-from mmserve.vision import resize_path
+from mmserve.vision import resize_path, warm_up_resize
 
 from .inline_args import join_payloads
 from .replica_logs import log_package_to_replica
@@ -88,6 +88,7 @@ class PreprocessorDeployment:
     def __init__(self, settings: PreprocessorSettings) -> None:
         log_package_to_replica()
         self.preprocessor = build_preprocessor(settings)
+        warm_up_resize()  # the compiled resize takes about a second to build: now, not in a request
         logger.info(
             "preprocessor for %s images (pixel mode %s; image resize path: %s; %d pixel thread(s))",
             self.preprocessor.family.name, settings.pixel_mode, resize_path(), settings.pixel_threads,

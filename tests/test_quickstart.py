@@ -5,7 +5,7 @@ README's command in a fresh clone must serve `/v1/models`, a text chat, a stream
 chat through the `openai` client, all 200, and leave a venv with the gateway only. This test then runs
 the quick start's one-line pillow-simd step (`./scripts/install_pillow_simd.sh`) in that clone and
 serves again with the `serve run` part the README names: the start-up log, `/v1/models` and `/metrics`
-must name the resize path in use, first the numpy one, then pillow-simd.
+must name the resize path in use, first the compiled (numba) one, then pillow-simd.
 """
 
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.serve
 
 def test_readme_quick_start_serves_from_a_fresh_clone(quick_start: QuickStart, tmp_path):
     # It served (the exercise's 200s) with the exact numpy resize that stock Pillow gets.
-    assert quick_start.resize_reports == ({"numpy-exact"}, "numpy-exact", {"numpy-exact"})
+    assert quick_start.resize_reports == ({"numba-exact"}, "numba-exact", {"numba-exact"})
     clone, command = quick_start.clone, quick_start.command
     # What the quick start's venv holds: the gateway and xgrammar's grammar parser only, and pip is
     # content with it but for the dependencies xgrammar is installed without.

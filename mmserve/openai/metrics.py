@@ -105,10 +105,10 @@ class Metrics:
         self.engine_up = Gauge("mmserve_engine_ready", "1 if the engine is ready, else 0", ["engine"], registry=r)
         self.engine_in_flight = Gauge("mmserve_engine_requests_in_flight", "Engine requests in flight (queue depth)", ["engine"], registry=r)
         self.engine_bytes = Gauge("mmserve_engine_bytes_sent", "Bytes sent to the engine since its client started", ["engine"], registry=r)
-        self.resize_path = Gauge("mmserve_image_resize_path_info", "1 for the exact image resize in use (pillow-simd or numpy-exact)", ["path"], registry=r)
+        self.resize_path = Gauge("mmserve_image_resize_path_info", "1 for the exact image resize in use (pillow-simd, numba-exact or numpy-exact)", ["path"], registry=r)
 
     def set_resize_path(self, active: str) -> None:
-        for path in ("pillow-simd", "numpy-exact"):
+        for path in ("pillow-simd", "numba-exact", "numpy-exact"):
             self.resize_path.labels(path).set(1 if path == active else 0)
 
     def observe_finished(self, record: RequestRecord) -> None:

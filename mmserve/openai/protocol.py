@@ -327,7 +327,7 @@ class CompletionChunk(BaseModel):
 class GatewayInfo(BaseModel):
     """What this gateway's install gives it (not part of OpenAI's model object)."""
 
-    # "pillow-simd" (fast) or "numpy-exact": both byte-identical to vLLM's HF processors.
+    # "numba-exact" (the default), "pillow-simd" or "numpy-exact": all byte-identical to vLLM's HF processors.
     image_resize: str
 
 

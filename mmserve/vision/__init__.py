@@ -15,6 +15,7 @@ from .llava import LlavaImage, LlavaSettings
 from .pixels import Normalization, PixelDtype
 from .qwen2_vl import Qwen2VLImage, Qwen2VLSettings, smart_resize
 from .resize import pillow_simd_active, resize_path
+from .resize import warm_up as warm_up_resize
 
 __all__ = [
     "ImageError",
@@ -32,4 +33,5 @@ __all__ = [
     "pillow_simd_active",
     "resize_path",
     "smart_resize",
+    "warm_up_resize",
 ]

@@ -12,18 +12,15 @@ one grey level, so "close" is not good enough: this module reproduces that kerne
   then quantised to int16 at a precision chosen per axis; each output value is
   `clamp((2**(p-1) + sum(w * px)) >> p, 0, 255)`.
 
-How it is computed here: each pass is a handful of float matrix products over small dense blocks of
-the (banded) weight matrix. Every weight is an int16 scaled by 2**-p, so every product and partial sum
-is an integer times 2**-p; as long as those integers stay below 2**24 (float32) or 2**53 (float64), BLAS
-computes them exactly whatever its summation order, and `floor(sum + 0.5)` equals torch's shift. The
-dtype is chosen per axis from that bound (float64 only for strong downscales, about 2x and more).
-
-Speed, one core, 1280x960 -> 1148x840: about 9-11 ms here against torch's 4.5 ms AVX2 kernel; most of
-it is memory passes numpy cannot fuse (uint8->float panels, rounding, clamping), not arithmetic.
-
-If the installed PIL is a pillow-simd build whose resize passes a self-test against the numpy path,
-it is used instead (≈5x faster); stock Pillow's bicubic differs from torch and is never used
-(`scripts/install_pillow_simd.sh` installs it into the project venv).
+Three implementations, all byte-identical to torch; `resize_path()` names the one in use:
+- "numba-exact", the default (numba is a dependency): torch's integer loops, compiled
+  (`resize_kernels.py`);
+- "pillow-simd": if the installed PIL is a pillow-simd build whose resize passes a self-test against the
+  numpy path (`scripts/install_pillow_simd.sh` builds it into the project venv; stock Pillow's bicubic
+  differs from torch and is never used);
+- "numpy-exact", when numba is not installed: float matrix products that are exact (`resize_numpy.py`).
+Per image, decode included, against Hugging Face's processor on one core: 1.12x / 1.42x / 0.86x at
+640x480 (bench/results/preprocess-2026-12-06.md).
 
 The model pipelines call `resize_channels`, which takes an RGB array or an RGB PIL image (from
 `image_io.decode_image`) and returns the three channel planes, each C-contiguous: with pillow-simd a
@@ -33,26 +30,14 @@ channels-first transpose.
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
+import importlib.util
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CropBox", "resize_channels", "pillow_simd_active", "resize_path"]
-
-# Outputs per dense weight block. A block of n outputs reads about n * scale + taps inputs, so smaller
-# blocks waste fewer multiplications on the zeros outside the band, larger ones make fewer, better-shaped
-# BLAS calls. About 16 outputs measured fastest near scale 1; for strong downscales fewer (env override
-# for experiments: MMSERVE_RESIZE_BLOCK).
-_BLOCK_INPUTS = int(os.environ.get("MMSERVE_RESIZE_BLOCK", "16"))
-
-
-def _block_outputs(scale: float) -> int:
-    return max(4, round(_BLOCK_INPUTS / max(scale, 1.0)))
-
+__all__ = ["CropBox", "resize_channels", "pillow_simd_active", "resize_path", "warm_up"]
 
 # ----------------------------------------------------------------------------------------------
 # Weights: torch's `_compute_indices_min_size_weights_aa` + `_compute_index_ranges_int16_weights`
@@ -112,118 +97,6 @@ def axis_weights(in_size: int, out_size: int) -> AxisWeights:
 
 
 # ----------------------------------------------------------------------------------------------
-# Plans: the weights cut into dense blocks, ready for matmul
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Block:
-    out_start: int
-    out_stop: int
-    in_start: int
-    in_stop: int
-    matrix: np.ndarray  # [out_stop - out_start, in_stop - in_start], weights * 2**-p
-    matrix_t: np.ndarray  # its transpose, C-contiguous (the horizontal pass multiplies from the right)
-
-
-@dataclass(frozen=True)
-class _AxisPlan:
-    in_size: int
-    out_size: int
-    dtype: type  # np.float32 when every partial sum is an integer below 2**24, else np.float64
-    blocks: tuple[_Block, ...]
-
-    def input_span(self, out_start: int, out_stop: int) -> tuple[int, int]:
-        """Which input indices the outputs [out_start, out_stop) read."""
-        spans = [(b.in_start, b.in_stop) for b in self.blocks if b.out_start < out_stop and b.out_stop > out_start]
-        return min(s for s, _ in spans), max(e for _, e in spans)
-
-
-@functools.lru_cache(maxsize=256)
-def _axis_plan(in_size: int, out_size: int) -> _AxisPlan:
-    w = axis_weights(in_size, out_size)
-    # Largest magnitude any partial sum (plus the rounding half) can reach, in units of 2**-p.
-    bound = 255 * int(np.abs(w.weights).sum(axis=1).max(initial=0)) + (1 << w.precision)
-    dtype = np.float32 if bound < (1 << 24) else np.float64
-    unit = 2.0 ** -w.precision  # exact: scaling by a power of two keeps every weight an exact float
-
-    blocks = []
-    step = _block_outputs(in_size / out_size)
-    for start in range(0, out_size, step):
-        stop = min(start + step, out_size)
-        first = w.first_input[start:stop]
-        in_start = int(first.min())
-        in_stop = int((first + w.taps[start:stop]).max())
-        matrix = np.zeros((stop - start, in_stop - in_start), dtype=np.float64)
-        for row, out_index in enumerate(range(start, stop)):
-            offset = int(w.first_input[out_index]) - in_start
-            count = int(w.taps[out_index])
-            matrix[row, offset : offset + count] = w.weights[out_index, :count] * unit
-        matrix = matrix.astype(dtype)
-        blocks.append(_Block(start, stop, in_start, in_stop, matrix, np.ascontiguousarray(matrix.T)))
-    return _AxisPlan(in_size, out_size, dtype, tuple(blocks))
-
-
-def _round_in_place(values: np.ndarray) -> np.ndarray:
-    """floor(v + 0.5) clamped to [0, 255], in place: torch's `(acc + 2**(p-1)) >> p`, then saturation."""
-    values += 0.5
-    np.floor(values, out=values)
-    np.clip(values, 0.0, 255.0, out=values)
-    return values
-
-
-def _round_to_uint8(values: np.ndarray) -> np.ndarray:
-    """The same rounding, producing uint8 in two passes instead of three.
-
-    Clamping to [-0.5, 255.49] first makes `v + 0.5` land in [0, 256), where the float-to-uint8 cast
-    (truncation) is exactly floor; 255.49 rather than 255.5 keeps 256 out of the cast.
-    """
-    np.clip(values, -0.5, 255.49, out=values)
-    result = np.empty(values.shape, dtype=np.uint8)
-    np.add(values, 0.5, out=result, casting="unsafe")
-    return result
-
-
-def _horizontal(rgb_rows: np.ndarray, plan: _AxisPlan, out_lo: int, out_hi: int) -> np.ndarray:
-    """rgb_rows uint8 [H, W, 3] -> float [3, H, out_hi - out_lo]: output columns [out_lo, out_hi), rounded.
-
-    Each weight block reads a narrow window of input columns. BLAS reads such a window slowly from a
-    wide row-major image (every row is a separate cache line), so each window is converted from uint8
-    straight into its own small contiguous channels-first panel (which also replaces a whole-image
-    uint8->float conversion). Rounding runs once over the whole result: rounding each block's strided
-    output columns separately measured slower.
-    """
-    height = rgb_rows.shape[0]
-    result = np.empty((3 * height, out_hi - out_lo), dtype=plan.dtype)
-    for block in plan.blocks:
-        lo, hi = max(block.out_start, out_lo), min(block.out_stop, out_hi)
-        if lo >= hi:
-            continue
-        panel = np.empty((3, height, block.in_stop - block.in_start), dtype=plan.dtype)
-        panel[...] = rgb_rows[:, block.in_start : block.in_stop].transpose(2, 0, 1)
-        weights = block.matrix_t[:, lo - block.out_start : hi - block.out_start]
-        np.matmul(panel.reshape(3 * height, -1), weights, out=result[:, lo - out_lo : hi - out_lo])
-    return _round_in_place(result).reshape(3, height, out_hi - out_lo)
-
-
-def _vertical(planes: np.ndarray, plan: _AxisPlan, out_lo: int, out_hi: int, first_row: int) -> np.ndarray:
-    """planes [C, H, W] -> [C, out_hi - out_lo, W]: output rows [out_lo, out_hi) of the pass, unrounded.
-
-    `planes` holds input rows from `first_row` on (the rows a crop does not need were never computed).
-    """
-    channels, _, width = planes.shape
-    result = np.empty((channels, out_hi - out_lo, width), dtype=plan.dtype)
-    for block in plan.blocks:
-        lo, hi = max(block.out_start, out_lo), min(block.out_stop, out_hi)
-        if lo >= hi:
-            continue
-        matrix = block.matrix[lo - block.out_start : hi - block.out_start]
-        rows = planes[:, block.in_start - first_row : block.in_stop - first_row, :]
-        result[:, lo - out_lo : hi - out_lo, :] = matrix @ rows
-    return result
-
-
-# ----------------------------------------------------------------------------------------------
 # Public entry points
 # ----------------------------------------------------------------------------------------------
 
@@ -278,35 +151,19 @@ def resize_channels(image, height: int, width: int, crop: CropBox | None = None)
     if is_pil:
         from .image_io import rgb_array
 
-        image = rgb_array(image)  # stock Pillow: its resize is not exact, the numpy one is
+        image = rgb_array(image)  # stock Pillow: its resize is not exact, ours are
     if resizing:
-        return tuple(_numpy_resize_planes(image, height, width, box))  # views of one contiguous [3, h, w]
+        if _use_numba():
+            from . import resize_kernels
+
+            planes = resize_kernels.resize_planes(image, height, width, box)
+        else:
+            from . import resize_numpy
+
+            planes = resize_numpy.resize_planes(image, height, width, box)
+        return tuple(planes)  # views of one contiguous [3, h, w]
     window = image[box.top : box.top + box.height, box.left : box.left + box.width]
     return tuple(np.ascontiguousarray(window[:, :, channel]) for channel in range(3))
-
-
-def _numpy_resize_planes(rgb: np.ndarray, height: int, width: int, box: CropBox) -> np.ndarray:
-    in_h, in_w = rgb.shape[:2]
-    rows_plan = _axis_plan(in_h, height) if in_h != height else None
-    cols_plan = _axis_plan(in_w, width) if in_w != width else None
-    # Input rows the vertical pass reads for the requested output rows (all of them without a crop);
-    # input columns: all of them if the horizontal pass runs, else just the crop's.
-    if rows_plan is not None:
-        row_lo, row_hi = rows_plan.input_span(box.top, box.top + box.height)
-    else:
-        row_lo, row_hi = box.top, box.top + box.height
-    col_lo, col_hi = (0, in_w) if cols_plan is not None else (box.left, box.left + box.width)
-
-    rgb_rows = rgb[row_lo:row_hi, col_lo:col_hi]
-    if cols_plan is not None:
-        planes = _horizontal(rgb_rows, cols_plan, box.left, box.left + box.width)
-        if rows_plan is None:
-            return planes.astype(np.uint8)  # already rounded and clamped
-    else:
-        planes = rgb_rows.transpose(2, 0, 1).astype(rows_plan.dtype)
-    return _round_to_uint8(
-        _vertical(planes.astype(rows_plan.dtype, copy=False), rows_plan, box.top, box.top + box.height, row_lo)
-    )
 
 
 def _check_rgb(rgb: np.ndarray) -> None:
@@ -352,11 +209,41 @@ def _pillow_simd_self_test() -> bool:
     ramp = np.broadcast_to(np.linspace(0, 255, 131).astype(np.uint8)[None, :, None], noise.shape)
     sample = np.where(rng.random(noise.shape) < 0.5, noise, ramp).astype(np.uint8)
     # Downscales, upscales, mixed and single-axis cases: pass order and precision all show up here.
+    from . import resize_numpy
+
     for height, width in ((40, 57), (224, 310), (140, 64), (97, 200), (50, 131), (13, 500)):
-        ours = _numpy_resize_planes(sample, height, width, CropBox(0, 0, height, width)).transpose(1, 2, 0)
+        ours = resize_numpy.resize_planes(sample, height, width, CropBox(0, 0, height, width)).transpose(1, 2, 0)
         if not np.array_equal(_pillow_resize(sample, height, width), ours):
             return False
     return True
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled kernels (numba), the default
+# ----------------------------------------------------------------------------------------------
+
+_numba_verdict: bool | None = None  # None: not looked up yet
+
+
+def _use_numba() -> bool:
+    """True when numba is installed (a dependency: only a partial install lacks it).
+
+    Only looked up, not imported: the processes that merely report the path (the ingress, the driver)
+    never load numba; the one that resizes imports it on first use, and an import that fails there
+    fails loudly rather than fall back to a path three times slower without anyone noticing.
+    """
+    global _numba_verdict
+    if _numba_verdict is None:
+        _numba_verdict = importlib.util.find_spec("numba") is not None
+    return _numba_verdict
+
+
+def warm_up() -> None:
+    """Compile the resize in use now (the Preprocessor calls this at start), so no request waits for it."""
+    if not _use_pillow_simd() and _use_numba():
+        from . import resize_kernels
+
+        resize_kernels.compile_all()
 
 
 def pillow_simd_active() -> bool:
@@ -367,6 +254,9 @@ def pillow_simd_active() -> bool:
 def resize_path() -> str:
     """The name of the resize in use, as the service reports it (log, /v1/models, /metrics).
 
-    Both are byte-identical to torch's kernel; "pillow-simd" is the fast one (scripts/install_pillow_simd.sh).
+    All three are byte-identical to torch's kernel: "pillow-simd" (scripts/install_pillow_simd.sh),
+    "numba-exact" (the default) or "numpy-exact" (numba not installed).
     """
-    return "pillow-simd" if _use_pillow_simd() else "numpy-exact"
+    if _use_pillow_simd():
+        return "pillow-simd"
+    return "numba-exact" if _use_numba() else "numpy-exact"

@@ -175,6 +175,13 @@ def torch_resize(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
 @pytest.fixture
 def numpy_resize_only(monkeypatch):
     monkeypatch.setattr(resize_module, "_pillow_simd_verdict", False)
+    monkeypatch.setattr(resize_module, "_numba_verdict", False)
+
+
+@pytest.fixture
+def numba_resize_only(monkeypatch):
+    monkeypatch.setattr(resize_module, "_pillow_simd_verdict", False)
+    monkeypatch.setattr(resize_module, "_numba_verdict", True)
 
 
 CASES = [((960, 1280), (840, 1148)), ((480, 640), (476, 644)), ((1080, 1920), (728, 1316)), ((37, 91), (200, 33)),
@@ -182,7 +189,10 @@ CASES = [((960, 1280), (840, 1148)), ((480, 640), (476, 644)), ((1080, 1920), (7
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_numpy_resize_channels_match_torch_even_with_pillow_simd_installed(numpy_resize_only, case):
+@pytest.mark.parametrize("path", ["numpy_resize_only", "numba_resize_only"])
+def test_compiled_and_numpy_resize_channels_match_torch_even_with_pillow_simd_installed(path, case, request):
+    request.getfixturevalue(path)
+    assert resize_module.resize_path() == {"numpy_resize_only": "numpy-exact", "numba_resize_only": "numba-exact"}[path]
     (in_h, in_w), (out_h, out_w) = case
     rgb = photo(in_h + out_w, in_h, in_w)
     expected = torch_resize(rgb, out_h, out_w)

@@ -1,4 +1,4 @@
-"""The numpy resize against torch's own uint8 antialiased bicubic, computed live in the test."""
+"""The numba and numpy resizes against torch's own uint8 antialiased bicubic, computed live in the test."""
 
 import numpy as np
 import pytest
@@ -8,14 +8,16 @@ from mmserve.vision import resize as resize_module
 from mmserve.vision.resize import CropBox, axis_weights, pillow_simd_active, resize_channels
 
 
-def resize_rgb(rgb: np.ndarray, height: int, width: int, crop: CropBox | None = None) -> np.ndarray:
-    """`resize_channels` on the numpy path (the quick start's, without pillow-simd, which this venv
-    has: tests/vision/test_fast_paths.py compares that one) as one [h, w, 3] image."""
-    verdict, resize_module._pillow_simd_verdict = resize_module._pillow_simd_verdict, False
+def resize_rgb(rgb: np.ndarray, height: int, width: int, crop: CropBox | None = None, path: str = "numpy") -> np.ndarray:
+    """`resize_channels` on the numba path (the quick start's) or the numpy one (without numba), not
+    pillow-simd's, which this venv has (tests/vision/test_fast_paths.py compares that one), as one
+    [h, w, 3] image."""
+    verdicts = resize_module._pillow_simd_verdict, resize_module._numba_verdict
+    resize_module._pillow_simd_verdict, resize_module._numba_verdict = False, path == "numba"
     try:
         return np.stack(resize_channels(rgb, height, width, crop), axis=-1)
     finally:
-        resize_module._pillow_simd_verdict = verdict
+        resize_module._pillow_simd_verdict, resize_module._numba_verdict = verdicts
 
 torch.set_num_threads(1)
 
@@ -79,23 +81,25 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", ["numba", "numpy"])
 @pytest.mark.parametrize("index", range(len(CASES)))
-def test_resize_matches_torch(index):
+def test_resize_matches_torch(index, path):
     (in_h, in_w), (out_h, out_w) = CASES[index]
     rgb = make_image(index, in_h, in_w)
-    ours = resize_rgb(rgb, out_h, out_w)
+    ours = resize_rgb(rgb, out_h, out_w, path=path)
     reference = torch_resize(rgb, out_h, out_w)
     assert ours.shape == reference.shape and ours.dtype == np.uint8
     assert np.array_equal(ours, reference), f"{int(np.count_nonzero(ours != reference))} values differ"
 
 
-@pytest.mark.parametrize("index", [0, 1, 6, 16, 20, 25])
-def test_cropped_resize_is_the_window_of_the_full_resize(index):
+@pytest.mark.parametrize("path", ["numba", "numpy"])
+@pytest.mark.parametrize("index", [0, 1, 6, 9, 16, 20, 25])
+def test_cropped_resize_is_the_window_of_the_full_resize(index, path):
     (in_h, in_w), (out_h, out_w) = CASES[index]
     rgb = make_image(100 + index, in_h, in_w)
     reference = torch_resize(rgb, out_h, out_w)
     crop = CropBox(top=out_h // 3, left=out_w // 4, height=max(1, out_h // 2), width=max(1, out_w // 2))
-    window = resize_rgb(rgb, out_h, out_w, crop)
+    window = resize_rgb(rgb, out_h, out_w, crop, path=path)
     expected = reference[crop.top : crop.top + crop.height, crop.left : crop.left + crop.width]
     assert np.array_equal(window, expected)
 
@@ -109,11 +113,12 @@ def test_weights_are_int16_and_normalised():
         assert np.all(np.abs(sums - 2**weights.precision) <= weights.taps)
 
 
-def test_rejects_non_rgb_input():
+@pytest.mark.parametrize("path", ["numba", "numpy"])
+def test_rejects_non_rgb_input(path):
     with pytest.raises(ValueError):
-        resize_rgb(np.zeros((4, 4), np.uint8), 2, 2)
+        resize_rgb(np.zeros((4, 4), np.uint8), 2, 2, path=path)
     with pytest.raises(ValueError):
-        resize_rgb(np.zeros((4, 4, 3), np.float32), 2, 2)
+        resize_rgb(np.zeros((4, 4, 3), np.float32), 2, 2, path=path)
 
 
 def test_pillow_simd_is_used_exactly_when_it_is_installed():
