@@ -556,14 +556,15 @@ async def test_compressed_response_refused(server):
 
 
 async def test_connection_refused_is_a_clean_error():
-    # Nothing listens on this port of 127.0.0.1 (a just-released ephemeral port).
+    # A port of 127.0.0.1 bound and held, never listened on: connecting to it is refused, and no other
+    # process can take it meanwhile (a port found free and released could be, e.g. by Ray starting beside).
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(FetchError, match=r"^cannot connect to image host 127\.0\.0\.1 \(connection failed\)$"):
-        await fetch_image_bytes(f"http://127.0.0.1:{port}/x.png", LOCAL)
+        with pytest.raises(FetchError, match=r"^cannot connect to image host 127\.0\.0\.1 \(connection failed\)$"):
+            await fetch_image_bytes(f"http://127.0.0.1:{port}/x.png", LOCAL)
 
 
 # ------------------------------------------------------------------------------------- https pinning
