@@ -2,7 +2,9 @@
 
 Its return value (`ProcessedImages`, numpy arrays inside) is written once to the Ray object
 store; the ingress passes the response on to the engine client without awaiting it, so the
-pixels go from this replica to the engine client's ZMQ socket with no further copy.
+pixels go from this replica to the engine client's ZMQ socket with no further copy. (An answer
+under Ray's 100-KiB inline limit, a small image's, is returned inline to its owner, the ingress,
+instead: cheap at that size.)
 """
 
 from __future__ import annotations

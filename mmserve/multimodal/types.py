@@ -3,7 +3,8 @@
 `ImageBatchRequest` is small (URLs, settings). `ProcessedImages` carries the tensors: the
 preprocessor returns it, Ray puts it in the object store once, and the engine client reads
 its numpy arrays zero-copy from there (Ray pickles numpy arrays as out-of-band buffers).
-The ingress only ever holds the not-yet-resolved response, never the arrays.
+The ingress only ever holds the not-yet-resolved response, never the arrays — unless the answer
+is under Ray's 100-KiB inline limit (a small image), which Ray returns inline to the ingress.
 """
 
 from __future__ import annotations
