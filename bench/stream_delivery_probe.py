@@ -1,0 +1,107 @@
+"""When do a streamed text answer's chunks reach the client? mmserve before a real vLLM engine, c=1.
+
+    .venv/bin/python bench/stream_delivery_probe.py [--requests 6] [--serve-env K=V ...]
+                                                    [--renice-gateway N] [--renice-engine N]
+
+Starts what `bench/frontend_bench.py` starts for mmserve (README's `serve run` and environment, a
+`vllm serve --headless` engine on the tiny Qwen2-VL), sends streamed chats one at a time (64 tokens,
+`ignore_eos`) and prints, per request, how many content chunks arrived, when the first and the last
+did, and how many before half the request's time: a request whose tokens were held back somewhere
+arrives in two or three chunks at its end (its TTFT is then its whole latency). With
+`--renice-gateway` / `--renice-engine`, every thread of the Serve replicas and HAProxy / of the engine's
+processes is given that niceness after the warm-up (niceness is per thread on Linux; a negative
+value needs root). Prints the niceness each process runs at. A probe, not a benchmark: one run,
+nothing asserted; run it alone on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import frontend_bench as fb  # noqa: E402  (puts the repository on sys.path)
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+GATEWAY_MARKS = ("ServeReplica:", "haproxy")
+
+
+def chunk_times(base_url: str, body: dict) -> tuple[float, list[float]]:
+    """(request start, arrival of each chunk with content), perf_counter seconds."""
+    started, arrivals = time.perf_counter(), []
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", base_url + "/v1/chat/completions", json={**body, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    arrivals.append(time.perf_counter())
+    return started, arrivals
+
+
+def processes(marks: tuple[str, ...], names: tuple[str, ...] = ()) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        text = " ".join(proc.info["cmdline"] or [])
+        if any(m in text for m in marks) or any(n in (proc.info["name"] or "") for n in names):
+            found.append(proc)
+    return found
+
+
+def renice_threads(procs: list[psutil.Process], niceness: int) -> int:
+    tids = [tid for proc in procs for tid in os.listdir(f"/proc/{proc.pid}/task")]
+    subprocess.run(["renice", "-n", str(niceness), "-p", *tids], check=True, capture_output=True)
+    return len(tids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=6)
+    parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--renice-gateway", type=int)
+    parser.add_argument("--renice-engine", type=int)
+    args = parser.parse_args()
+    body = fb.gb.chat_body(fb.MODEL_NAME, 64, token_ids=False)
+    _, readme_env, port = fb.readme_quick_start()
+    env = fb.serve_environment(readme_env, dict(item.split("=", 1) for item in args.serve_env))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model_dir = fb.build_tiny_qwen2_vl(work / fb.MODEL_NAME, seed=0)
+        handshake_port = fb.free_tcp_port()
+        engine = fb.HeadlessVllmEngine(model_dir, handshake_port, max_model_len=fb.MAX_MODEL_LEN,
+                                       log_path=work / "engine.log", as_users_run=True).start()
+        serve = fb.ServeRun([f"model={model_dir}", f"served_model_name={fb.MODEL_NAME}",
+                             f"engines=tcp://127.0.0.1:{handshake_port}", *fb.SERVE_ARGS_EXTRA], env, port, work / "serve.log")
+        try:
+            serve.start()
+            fb.wait_ready(serve.base_url, 900, lambda: None if engine.is_alive() else f"engine exited:\n{engine.log_tail()}")
+            for _ in range(3):
+                chunk_times(serve.base_url, body)
+            gateway = processes(GATEWAY_MARKS)
+            engine_root = psutil.Process(engine.pid)
+            engine_procs = [engine_root, *engine_root.children(recursive=True)]
+            if args.renice_gateway is not None:
+                print(f"gateway: {renice_threads(gateway, args.renice_gateway)} threads reniced to {args.renice_gateway}")
+            if args.renice_engine is not None:
+                print(f"engine: {renice_threads(engine_procs, args.renice_engine)} threads reniced to {args.renice_engine}")
+            for proc in [*gateway, *engine_procs]:
+                print(f"  niceness {proc.nice():3d} (main thread): {' '.join(proc.cmdline())[:90]}")
+            print(f"serve env: {env}")
+            for index in range(args.requests):
+                started, arrivals = chunk_times(serve.base_url, body)
+                offsets = [(t - started) * 1e3 for t in arrivals]
+                half = offsets[-1] / 2
+                print(f"request {index}: {len(offsets)} chunks, first {offsets[0]:.0f} ms, last {offsets[-1]:.0f} ms, "
+                      f"{sum(o < half for o in offsets)} before half-time", flush=True)
+        finally:
+            serve.stop(fb.ProcessMeter(lambda proc: None, lambda proc, role: ""))
+            engine.stop()
+
+
+if __name__ == "__main__":
+    main()
