@@ -28,7 +28,6 @@ import numpy as np
 from .resize import CropBox, axis_weights
 
 
-
 def _compiled(function):
     """numba.njit, its machine code cached on disk when a cache directory is writable (numba's
     `__pycache__` beside this file, else the user's cache directory): a replica that starts after the
@@ -150,7 +149,8 @@ def resize_planes(rgb: np.ndarray, height: int, width: int, box: CropBox) -> np.
 
 
 def compile_all() -> None:
-    """Compile every kernel now (numba compiles on first call), so no request pays for it.
+    """Compile every kernel now, or load it from numba's cache (numba compiles on first call), so no
+    request pays for it.
 
     numba compiles one specialisation per argument type, and read-only arrays are a type of their own:
     a decoded image (`np.asarray` of a PIL image) is read-only, an array a caller built is not.
