@@ -162,7 +162,10 @@ class EngineTransport:
         output was last read, or now if one waits unread. zmq's I/O thread receives while this
         process's event loop is stalled (a loaded gateway), and a stalled loop must not take the
         engine's outputs for silence."""
-        if self._outputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        # `get`, not `getsockopt`: pyzmq's asyncio socket re-arms its reader in `get` (reading EVENTS
+        # consumes the descriptor's edge); `getsockopt` is the base class's and would leave a waiting
+        # `recv_output` asleep.
+        if self._outputs.get(zmq.EVENTS) & zmq.POLLIN:
             return time.monotonic()
         return self._last_output_at
 

@@ -95,3 +95,30 @@ def test_an_output_waiting_unread_counts_as_heard_now():
             transport.close()
 
     asyncio.run(main())
+
+
+def test_asking_whether_an_output_waits_does_not_swallow_the_readers_wake_up():
+    """zmq's socket descriptor is edge-triggered: reading `EVENTS` outside pyzmq's asyncio socket
+    consumes the edge, and a `recv` already waiting on the loop is then never woken (pyzmq's own `get`
+    re-arms it; `getsockopt` is bound to the base class and does not)."""
+    import zmq
+
+    from mmserve.engine.transport import EngineAddresses, EngineTransport
+
+    async def main():
+        transport = EngineTransport(EngineAddresses("tcp://127.0.0.1:0"))
+        engine = zmq.Context.instance().socket(zmq.PUSH)
+        engine.connect(transport.output_address)
+        try:
+            reader = asyncio.ensure_future(transport.recv_output())
+            await asyncio.sleep(0.05)  # the reader waits on the loop
+            engine.send_multipart([b"output"])
+            deadline = time.monotonic() + 2
+            while time.monotonic() - transport.last_heard() > 1 and time.monotonic() < deadline:
+                time.sleep(0.01)  # asked before the loop runs again, as the health check may
+            assert await asyncio.wait_for(reader, 2) == [b"output"]
+        finally:
+            engine.close(linger=0)
+            transport.close()
+
+    asyncio.run(main())
