@@ -77,6 +77,8 @@ def main() -> None:
                                        log_path=work / "engine.log", as_users_run=True).start()
         serve = fb.ServeRun([f"model={model_dir}", f"served_model_name={fb.MODEL_NAME}",
                              f"engines=tcp://127.0.0.1:{handshake_port}", *fb.SERVE_ARGS_EXTRA], env, port, work / "serve.log")
+        # What `serve.stop` terminates if `serve run` leaves it behind: serve run's own processes.
+        gateway_meter = fb.ProcessMeter(lambda proc: fb.GATEWAY if serve.owns(proc) else None, lambda proc, role: "")
         try:
             serve.start()
             fb.wait_ready(serve.base_url, 900, lambda: None if engine.is_alive() else f"engine exited:\n{engine.log_tail()}")
@@ -99,7 +101,7 @@ def main() -> None:
                 print(f"request {index}: {len(offsets)} chunks, first {offsets[0]:.0f} ms, last {offsets[-1]:.0f} ms, "
                       f"{sum(o < half for o in offsets)} before half-time", flush=True)
         finally:
-            serve.stop(fb.ProcessMeter(lambda proc: None, lambda proc, role: ""))
+            serve.stop(gateway_meter)
             engine.stop()
 
 

@@ -230,7 +230,7 @@ def _use_numba() -> bool:
 
     Only looked up, not imported: the processes that merely report the path (the ingress, the driver)
     never load numba; the one that resizes imports it on first use, and an import that fails there
-    fails loudly rather than fall back to a path three times slower without anyone noticing.
+    fails loudly rather than fall back to the slower numpy path without anyone noticing.
     """
     global _numba_verdict
     if _numba_verdict is None:
