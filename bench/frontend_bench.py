@@ -1,7 +1,7 @@
 """The gateway's front-end cost, side by side with vLLM's own API server (issue 16, step 1).
 
     .venv/bin/python bench/frontend_bench.py [--runs 3] [--quick] [--out bench/results/frontend.md]
-        [--label NAME] [--setups vllm,mmserve] [--serve-env KEY=VALUE ...]
+        [--label NAME] [--setups vllm,mmserve] [--serve-env KEY=VALUE ...] [--mmserve-engine headless|launched]
 
 Two systems in front of the same engine (tiny random Qwen2-VL built once, `tests/support/tiny_models.py`;
 the engine flags of `tests/support/vllm_engines.py`, max_model_len of `bench/image_chat_bench.py`), one
@@ -15,6 +15,11 @@ after the other, never at the same time. Each run starts both afresh, in this or
   `.venv/bin/serve` (parsed from README.md; `--serve-env` adds or overrides) and no other `RAY_*`
   variable, on README's HTTP port; a `vllm serve --headless` engine (`HeadlessVllmEngine`, same flags)
   connects to it. Stopped with SIGINT to `serve run`; whatever of its processes outlives that is killed.
+  With `--mmserve-engine launched`, no engine is started beside it: `engine_launch=…` (same flags and
+  environment) has the application start it as its launcher actor's child, README's usual way. The
+  difference matters on a shared node: Linux's autogroup schedules each session as one group, and the
+  headless engine runs in a session of its own, where vLLM's API server shares its engine's
+  (`bench/RESULTS.md` §0, "scheduling groups").
 
 Per system and run: wait until `/health` is 200 and a chat succeeds, warm up (text and image chats),
 measure idle CPU, then the workloads: streamed chat completions (`stream_options.include_usage`,
@@ -87,10 +92,11 @@ import image_chat_bench as ic  # noqa: E402
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from tests.support.reference_venv import reference_vllm_version  # noqa: E402
+from tests.support.reference_venv import reference_python, reference_vllm_version  # noqa: E402
 from tests.support.serve_process import readme_ray_settings  # noqa: E402
 from tests.support.tiny_models import build_tiny_qwen2_vl  # noqa: E402
 from tests.support.vllm_engines import HeadlessVllmEngine, VllmApiServer, free_tcp_port  # noqa: E402
+from tests.support.vllm_reference import VLLM_CPU_ENV  # noqa: E402
 
 REPO = gb.REPO
 MODEL_NAME = gb.MODEL_NAME
@@ -608,36 +614,74 @@ def serve_environment(readme_env: dict[str, str], overrides: dict[str, str]) -> 
     return {**base, **readme_env, **overrides}
 
 
+# How mmserve's engine is started (`--mmserve-engine`): on its own, as `vllm serve --headless` beside
+# `serve run` (its own session, so its own scheduling group under Linux's autogroup), or launched by the
+# application (`engine_launch`: a Ray actor's child, in Ray's session), README's usual way.
+ENGINE_STARTS = ("headless", "launched")
+# The launcher's Ray CPUs: any amount that fits beside the replicas on 2 CPUs (bookkeeping only).
+LAUNCHED_ENGINE_RAY_CPUS = 0.25
+
+
+def launched_engine_arg() -> str:
+    """`engine_launch=…` for `serve run`: the headless engine's flags and environment, launched by the app."""
+    launch = {
+        "count": 1, "resources": {"CPU": LAUNCHED_ENGINE_RAY_CPUS}, "env": dict(VLLM_CPU_ENV),
+        "engine_args": {"max-model-len": MAX_MODEL_LEN, "enforce-eager": True, "dtype": "bfloat16", "seed": 0},
+        "vllm_command": [reference_python(), "-m", "vllm.entrypoints.cli.main"],
+    }
+    return "engine_launch=" + json.dumps(launch, separators=(",", ":"))
+
+
+def launched_engine_root(proc: psutil.Process) -> int | None:
+    """The pid of the launched `vllm serve --headless` that `proc` is or descends from, else None."""
+    for candidate in [proc, *proc.parents()]:
+        text = cmdline(candidate)
+        if "vllm.entrypoints.cli.main serve" in text and "--headless" in text:
+            return candidate.pid
+    return None
+
+
 def run_mmserve(run: int, model_dir: Path, work: Path, bodies: dict[str, list[dict[str, Any]]], warm: list[dict[str, Any]],
-                timing: Timing, env: dict[str, str], port: int) -> SystemRun:
-    print(f"== run {run}: mmserve (`serve run` as README starts it + `vllm serve --headless`)", flush=True)
+                timing: Timing, env: dict[str, str], port: int, engine_start: str = "headless") -> SystemRun:
+    how = "`vllm serve --headless` on its own" if engine_start == "headless" else "its engine launched by the app"
+    print(f"== run {run}: mmserve (`serve run` as README starts it, {how})", flush=True)
     t0 = time.monotonic()
-    hs_port = free_tcp_port()
-    # The engine connects to the handshake address serve run will bind (ZMQ retries until then).
-    engine = HeadlessVllmEngine(model_dir, hs_port, max_model_len=MAX_MODEL_LEN, log_path=work / f"vllm_headless_{run}.log",
-                                as_users_run=True).start()
-    serve = ServeRun([f"model={model_dir}", f"served_model_name={MODEL_NAME}", f"engines=tcp://127.0.0.1:{hs_port}",
-                      *SERVE_ARGS_EXTRA], env, port, work / f"serve_run_{run}.log")
+    engine: HeadlessVllmEngine | None = None
+    if engine_start == "headless":
+        hs_port = free_tcp_port()
+        # The engine connects to the handshake address serve run will bind (ZMQ retries until then).
+        engine = HeadlessVllmEngine(model_dir, hs_port, max_model_len=MAX_MODEL_LEN, log_path=work / f"vllm_headless_{run}.log",
+                                    as_users_run=True).start()
+        engine_arg = f"engines=tcp://127.0.0.1:{hs_port}"
+    else:
+        engine_arg = launched_engine_arg()
+    serve = ServeRun([f"model={model_dir}", f"served_model_name={MODEL_NAME}", engine_arg, *SERVE_ARGS_EXTRA],
+                     env, port, work / f"serve_run_{run}.log")
     bench_pid = os.getpid()
+
+    def engine_root(proc: psutil.Process) -> int | None:
+        if engine is not None:
+            return engine.pid if engine.pid in ancestors(proc) else None
+        return launched_engine_root(proc)
 
     def member(proc: psutil.Process) -> str | None:
         if proc.pid == bench_pid:
             return CLIENT
-        if engine.pid in ancestors(proc):
+        if engine_root(proc) is not None:
             return ENGINE
         return GATEWAY if serve.owns(proc) else None
 
     def label(proc: psutil.Process, role: str) -> str:
         if role == GATEWAY:
             return serve.label(proc)
-        return engine_label(proc, engine.pid) if role == ENGINE else "bench client"
+        return engine_label(proc, engine_root(proc) or -1) if role == ENGINE else "bench client"
 
     meter = ProcessMeter(member, label)
     try:
         serve.start()
 
         def dead() -> str | None:
-            if not engine.is_alive():
+            if engine is not None and not engine.is_alive():
                 return f"the headless engine exited:\n{engine.log_tail()}"
             return serve.dead()
 
@@ -649,7 +693,8 @@ def run_mmserve(run: int, model_dir: Path, work: Path, bodies: dict[str, list[di
         return system
     finally:
         serve.stop(meter)
-        engine.stop()
+        if engine is not None:
+            engine.stop()
 
 
 # ----------------------------------------------------------------------------- report
@@ -807,7 +852,8 @@ def write_report(out: Path, runs: list[SystemRun], meta: dict[str, Any]) -> str:
         meta["machine"], "",
         f"mmserve: `{meta['serve_command']}` from the repository root: the settings README's quick start puts before "
         f"`.venv/bin/serve` (`{meta['readme_line']}`) plus --serve-env, and no other `RAY_*` variable; "
-        f"image resize path: {', '.join(sorted(meta['resize_paths'])) or '–'}. Engine (both systems): `{meta['engine_flags']}`.",
+        f"image resize path: {', '.join(sorted(meta['resize_paths'])) or '–'}. Engine (both systems): `{meta['engine_flags']}`; "
+        f"mmserve's {'started on its own (`--headless`, its own session)' if meta['mmserve_engine'] == 'headless' else 'launched by the application (`engine_launch`, in Ray’s session)'}.",
         f"Workloads (streamed chat, temperature 0, `ignore_eos`, closed loop, no new request after {meta['workload_s']:g} s): {workloads}; "
         f"images {IMAGE_SIZE[0]}×{IMAGE_SIZE[1]} JPEG data URIs. Idle: {meta['idle_s']:g} s after the warm-up. "
         "Gateway = every non-engine process (vLLM: its API server; mmserve: all of `serve run`'s, Ray's and Serve's); "
@@ -841,6 +887,9 @@ def main() -> None:
     parser.add_argument("--setups", default="vllm,mmserve", help="comma-separated: vllm, mmserve")
     parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
                         help="adds to / overrides README's environment for `serve run`; repeatable")
+    parser.add_argument("--mmserve-engine", choices=ENGINE_STARTS, default="headless",
+                        help="mmserve's engine: `vllm serve --headless` started on its own (default), or launched by "
+                             "the application (`engine_launch`, a Ray actor's child); the same flags either way")
     args = parser.parse_args()
     setups = args.setups.split(",")
     if unknown := set(setups) - set(SYSTEMS):
@@ -856,7 +905,8 @@ def main() -> None:
         "readme_line": readme_line, "serve_env": {**readme_env, **overrides}, "port": port,
         "serve_command": " ".join(f"{k}={v}" for k, v in {**readme_env, **overrides}.items())
         + " .venv/bin/serve run serve_app:build_app model=DIR served_model_name=" + MODEL_NAME
-        + " engines=tcp://127.0.0.1:PORT " + " ".join(SERVE_ARGS_EXTRA),
+        + (" engines=tcp://127.0.0.1:PORT " if args.mmserve_engine == "headless" else f" {launched_engine_arg()} ")
+        + " ".join(SERVE_ARGS_EXTRA), "mmserve_engine": args.mmserve_engine,
         "engine_flags": f"vllm serve DIR --max-model-len {MAX_MODEL_LEN} --enforce-eager --dtype bfloat16 --seed 0",
         "workloads": [asdict(w) for w in WORKLOADS], "workload_s": timing.workload_s, "idle_s": timing.idle_s,
         "resize_paths": set(),
@@ -876,7 +926,7 @@ def main() -> None:
             if "vllm" in setups:
                 runs.append(run_vllm(run, model_dir, work, bodies, warm, timing))
             if "mmserve" in setups:
-                runs.append(run_mmserve(run, model_dir, work, bodies, warm, timing, env, port))
+                runs.append(run_mmserve(run, model_dir, work, bodies, warm, timing, env, port, args.mmserve_engine))
                 meta["resize_paths"].add(runs[-1].notes["image resize path"])
             meta["duration_s"] = time.monotonic() - started
             write_json(out.with_suffix(".json"), runs, meta)  # after every run: a partial result survives a failure

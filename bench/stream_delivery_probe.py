@@ -2,11 +2,13 @@
 
     .venv/bin/python bench/stream_delivery_probe.py [--requests 6] [--serve-env K=V ...]
                                                     [--renice-gateway N] [--renice-engine N]
+                                                    [--mmserve-engine headless|launched]
 
 Starts what `bench/frontend_bench.py` starts for mmserve (README's `serve run` and environment, a
 `vllm serve --headless` engine on the tiny Qwen2-VL), sends streamed chats one at a time (64 tokens,
 `ignore_eos`) and prints, per request, how many content chunks arrived, when the first and the last
-did, and how many before half the request's time: a request whose tokens were held back somewhere
+did, and how many before half the request's time, and per process how long its threads ran and how long
+they waited for a CPU while runnable during the request (the kernel's schedstat): a request whose tokens were held back somewhere
 arrives in two or three chunks at its end (its TTFT is then its whole latency). With
 `--renice-gateway` / `--renice-engine`, every thread of the Serve replicas and HAProxy / of the engine's
 processes is given that niceness after the warm-up (niceness is per thread on Linux; a negative
@@ -53,6 +55,24 @@ def processes(marks: tuple[str, ...], names: tuple[str, ...] = ()) -> list[psuti
     return found
 
 
+def cpu_and_wait_ms(procs: list[psutil.Process]) -> dict[str, tuple[float, float]]:
+    """Per process (by name): ms on a CPU and ms runnable but waiting for one, summed over its threads
+    (/proc/PID/task/TID/schedstat: the kernel's run time and run-queue wait, ns)."""
+    totals: dict[str, tuple[float, float]] = {}
+    for proc in procs:
+        name = " ".join(proc.cmdline())[:40] or proc.name()
+        ran = waited = 0
+        try:
+            for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                with open(f"/proc/{proc.pid}/task/{tid}/schedstat") as f:
+                    run_ns, wait_ns, _ = f.read().split()
+                ran, waited = ran + int(run_ns), waited + int(wait_ns)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        totals[name] = (ran / 1e6, waited / 1e6)
+    return totals
+
+
 def renice_threads(procs: list[psutil.Process], niceness: int) -> int:
     tids = [tid for proc in procs for tid in os.listdir(f"/proc/{proc.pid}/task")]
     subprocess.run(["renice", "-n", str(niceness), "-p", *tids], check=True, capture_output=True)
@@ -65,6 +85,8 @@ def main() -> None:
     parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--renice-gateway", type=int)
     parser.add_argument("--renice-engine", type=int)
+    parser.add_argument("--mmserve-engine", choices=fb.ENGINE_STARTS, default="headless",
+                        help="as frontend_bench's: the engine on its own, or launched by the application")
     args = parser.parse_args()
     body = fb.gb.chat_body(fb.MODEL_NAME, 64, token_ids=False)
     _, readme_env, port = fb.readme_quick_start()
@@ -72,21 +94,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = fb.build_tiny_qwen2_vl(work / fb.MODEL_NAME, seed=0)
-        handshake_port = fb.free_tcp_port()
-        engine = fb.HeadlessVllmEngine(model_dir, handshake_port, max_model_len=fb.MAX_MODEL_LEN,
-                                       log_path=work / "engine.log", as_users_run=True).start()
-        serve = fb.ServeRun([f"model={model_dir}", f"served_model_name={fb.MODEL_NAME}",
-                             f"engines=tcp://127.0.0.1:{handshake_port}", *fb.SERVE_ARGS_EXTRA], env, port, work / "serve.log")
+        engine = None
+        if args.mmserve_engine == "headless":
+            handshake_port = fb.free_tcp_port()
+            engine = fb.HeadlessVllmEngine(model_dir, handshake_port, max_model_len=fb.MAX_MODEL_LEN,
+                                           log_path=work / "engine.log", as_users_run=True).start()
+            engine_arg = f"engines=tcp://127.0.0.1:{handshake_port}"
+        else:
+            engine_arg = fb.launched_engine_arg()
+        serve = fb.ServeRun([f"model={model_dir}", f"served_model_name={fb.MODEL_NAME}", engine_arg, *fb.SERVE_ARGS_EXTRA],
+                            env, port, work / "serve.log")
         # What `serve.stop` terminates if `serve run` leaves it behind: serve run's own processes.
         gateway_meter = fb.ProcessMeter(lambda proc: fb.GATEWAY if serve.owns(proc) else None, lambda proc, role: "")
         try:
             serve.start()
-            fb.wait_ready(serve.base_url, 900, lambda: None if engine.is_alive() else f"engine exited:\n{engine.log_tail()}")
+            fb.wait_ready(serve.base_url, 900, lambda: None if engine is None or engine.is_alive() else f"engine exited:\n{engine.log_tail()}")
             for _ in range(3):
                 chunk_times(serve.base_url, body)
-            gateway = processes(GATEWAY_MARKS)
-            engine_root = psutil.Process(engine.pid)
+            if engine is not None:
+                engine_root = psutil.Process(engine.pid)
+            else:  # the launched engine: the `vllm serve --headless` under the launcher actor
+                engine_root = next(p for p in psutil.process_iter() if fb.launched_engine_root(p) == p.pid)
             engine_procs = [engine_root, *engine_root.children(recursive=True)]
+            gateway = [p for p in processes(GATEWAY_MARKS + ("ray::EngineLauncher",)) if p not in engine_procs]
             if args.renice_gateway is not None:
                 print(f"gateway: {renice_threads(gateway, args.renice_gateway)} threads reniced to {args.renice_gateway}")
             if args.renice_engine is not None:
@@ -95,14 +125,21 @@ def main() -> None:
                 print(f"  niceness {proc.nice():3d} (main thread): {' '.join(proc.cmdline())[:90]}")
             print(f"serve env: {env}")
             for index in range(args.requests):
+                before = cpu_and_wait_ms([*gateway, *engine_procs])
                 started, arrivals = chunk_times(serve.base_url, body)
+                after = cpu_and_wait_ms([*gateway, *engine_procs])
                 offsets = [(t - started) * 1e3 for t in arrivals]
                 half = offsets[-1] / 2
                 print(f"request {index}: {len(offsets)} chunks, first {offsets[0]:.0f} ms, last {offsets[-1]:.0f} ms, "
                       f"{sum(o < half for o in offsets)} before half-time", flush=True)
+                for name, (ran, waited) in after.items():
+                    if name in before and ran - before[name][0] >= 1:
+                        print(f"    {name:40s} on CPU {ran - before[name][0]:6.1f} ms, waiting for one "
+                              f"{waited - before[name][1]:6.1f} ms")
         finally:
             serve.stop(gateway_meter)
-            engine.stop()
+            if engine is not None:
+                engine.stop()
 
 
 if __name__ == "__main__":
