@@ -34,7 +34,7 @@ sock.connect(sys.argv[1])
 time.sleep(0.3)
 for _ in range(int(sys.argv[2])):
     sock.send(b"x" * 300)
-    time.sleep(0.002)
+    time.sleep(float(sys.argv[3]))
 sock.send(b"end")
 time.sleep(0.2)
 """
@@ -56,15 +56,24 @@ class AsyncioSocketReader:
         self._socket.close(linger=0)
 
 
-async def cpu_per_message(reader_class: type, messages: int) -> float:
+def busy(seconds: float) -> None:
+    """The loop's own work per message (an ingress detokenizing and writing SSE), on the CPU."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+async def cpu_per_message(reader_class: type, messages: int, work_s: float = 0.0, interval_ms: float = 2.0) -> float:
     reader = reader_class() if reader_class is AsyncioSocketReader else OutputInbox("127.0.0.1")
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, reader.address, str(messages)])
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, reader.address, str(messages), str(interval_ms / 1e3)])
     try:
         await reader.recv()
         cpu0, count = time.process_time(), 1
         while await reader.recv() != b"end":
             count += 1
-        return (time.process_time() - cpu0) / count
+            if work_s:
+                busy(work_s)
+        return (time.process_time() - cpu0) / count - work_s
     finally:
         reader.close()
         sender.wait(30)
@@ -74,11 +83,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--work-ms", type=float, default=0.0, help="CPU the loop spends per message (a busy ingress)")
+    parser.add_argument("--interval-ms", type=float, default=2.0, help="the sender's pause between messages")
     args = parser.parse_args()
     results: dict[str, list[float]] = {"pyzmq asyncio socket": [], "OutputInbox (thread)": []}
     for _ in range(args.runs):
         for name, reader in zip(results, (AsyncioSocketReader, OutputInbox)):
-            results[name].append(uvloop.run(cpu_per_message(reader, args.messages)))
+            results[name].append(uvloop.run(cpu_per_message(reader, args.messages, args.work_ms / 1e3, args.interval_ms)))
     for name, values in results.items():
         print(f"{name:22s} median {statistics.median(values) * 1e6:4.0f} µs CPU per message "
               f"(runs: {', '.join(f'{v * 1e6:.0f}' for v in values)})")
