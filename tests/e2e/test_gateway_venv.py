@@ -43,7 +43,10 @@ def _replica_processes(app_name: str) -> dict[str, psutil.Process]:
     raylet = psutil.Process(ingress_pid).parent()
     replicas = {}
     for proc in raylet.children(recursive=True):
-        title = " ".join(proc.cmdline())
+        try:
+            title = " ".join(proc.cmdline())
+        except psutil.Error:  # gone, or a zombie not yet reaped (another test's process): not a replica
+            continue
         marker = f"ServeReplica:{app_name}:"
         if marker in title:
             # The title names the running method too: "...:Ingress.handle_request".
