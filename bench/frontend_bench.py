@@ -641,20 +641,23 @@ def launched_engine_root(proc: psutil.Process) -> int | None:
     return None
 
 
+def start_mmserve_engine(engine_start: str, model_dir: Path, log_path: Path) -> tuple[HeadlessVllmEngine | None, str]:
+    """mmserve's engine as `--mmserve-engine` says: (the headless engine started here, or None when the
+    application launches it; the `serve run` argument that names it)."""
+    if engine_start == "launched":
+        return None, launched_engine_arg()
+    hs_port = free_tcp_port()
+    # The engine connects to the handshake address serve run will bind (ZMQ retries until then).
+    engine = HeadlessVllmEngine(model_dir, hs_port, max_model_len=MAX_MODEL_LEN, log_path=log_path, as_users_run=True).start()
+    return engine, f"engines=tcp://127.0.0.1:{hs_port}"
+
+
 def run_mmserve(run: int, model_dir: Path, work: Path, bodies: dict[str, list[dict[str, Any]]], warm: list[dict[str, Any]],
                 timing: Timing, env: dict[str, str], port: int, engine_start: str = "headless") -> SystemRun:
     how = "`vllm serve --headless` on its own" if engine_start == "headless" else "its engine launched by the app"
     print(f"== run {run}: mmserve (`serve run` as README starts it, {how})", flush=True)
     t0 = time.monotonic()
-    engine: HeadlessVllmEngine | None = None
-    if engine_start == "headless":
-        hs_port = free_tcp_port()
-        # The engine connects to the handshake address serve run will bind (ZMQ retries until then).
-        engine = HeadlessVllmEngine(model_dir, hs_port, max_model_len=MAX_MODEL_LEN, log_path=work / f"vllm_headless_{run}.log",
-                                    as_users_run=True).start()
-        engine_arg = f"engines=tcp://127.0.0.1:{hs_port}"
-    else:
-        engine_arg = launched_engine_arg()
+    engine, engine_arg = start_mmserve_engine(engine_start, model_dir, work / f"vllm_headless_{run}.log")
     serve = ServeRun([f"model={model_dir}", f"served_model_name={MODEL_NAME}", engine_arg, *SERVE_ARGS_EXTRA],
                      env, port, work / f"serve_run_{run}.log")
     bench_pid = os.getpid()

@@ -63,8 +63,8 @@ def busy(seconds: float) -> None:
         pass
 
 
-async def cpu_per_message(reader_class: type, messages: int, work_s: float = 0.0, interval_ms: float = 2.0) -> float:
-    reader = reader_class() if reader_class is AsyncioSocketReader else OutputInbox("127.0.0.1")
+async def cpu_per_message(make_reader, messages: int, work_s: float = 0.0, interval_ms: float = 2.0) -> float:
+    reader = make_reader()
     sender = subprocess.Popen([sys.executable, "-c", SENDER, reader.address, str(messages), str(interval_ms / 1e3)])
     try:
         await reader.recv()
@@ -88,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     results: dict[str, list[float]] = {"pyzmq asyncio socket": [], "OutputInbox (thread)": []}
     for _ in range(args.runs):
-        for name, reader in zip(results, (AsyncioSocketReader, OutputInbox)):
+        for name, reader in zip(results, (AsyncioSocketReader, lambda: OutputInbox("127.0.0.1"))):
             results[name].append(uvloop.run(cpu_per_message(reader, args.messages, args.work_ms / 1e3, args.interval_ms)))
     for name, values in results.items():
         print(f"{name:22s} median {statistics.median(values) * 1e6:4.0f} µs CPU per message "

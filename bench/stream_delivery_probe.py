@@ -46,13 +46,9 @@ def chunk_times(base_url: str, body: dict) -> tuple[float, list[float]]:
     return started, arrivals
 
 
-def processes(marks: tuple[str, ...], names: tuple[str, ...] = ()) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
-        text = " ".join(proc.info["cmdline"] or [])
-        if any(m in text for m in marks) or any(n in (proc.info["name"] or "") for n in names):
-            found.append(proc)
-    return found
+def processes(marks: tuple[str, ...]) -> list[psutil.Process]:
+    """Processes whose command line contains one of `marks`."""
+    return [proc for proc in psutil.process_iter(["cmdline"]) if any(m in " ".join(proc.info["cmdline"] or []) for m in marks)]
 
 
 def cpu_and_wait_ms(procs: list[psutil.Process]) -> dict[str, tuple[float, float]]:
@@ -94,14 +90,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = fb.build_tiny_qwen2_vl(work / fb.MODEL_NAME, seed=0)
-        engine = None
-        if args.mmserve_engine == "headless":
-            handshake_port = fb.free_tcp_port()
-            engine = fb.HeadlessVllmEngine(model_dir, handshake_port, max_model_len=fb.MAX_MODEL_LEN,
-                                           log_path=work / "engine.log", as_users_run=True).start()
-            engine_arg = f"engines=tcp://127.0.0.1:{handshake_port}"
-        else:
-            engine_arg = fb.launched_engine_arg()
+        engine, engine_arg = fb.start_mmserve_engine(args.mmserve_engine, model_dir, work / "engine.log")
         serve = fb.ServeRun([f"model={model_dir}", f"served_model_name={fb.MODEL_NAME}", engine_arg, *fb.SERVE_ARGS_EXTRA],
                             env, port, work / "serve.log")
         # What `serve.stop` terminates if `serve run` leaves it behind: serve run's own processes.
