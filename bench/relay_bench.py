@@ -10,7 +10,8 @@ workers run it, and nothing else: no Ray, no Serve. A built-in engine subprocess
 streamed 64-token requests (`ignore_eos`) at the given concurrency; the caller's `OutputInbox` is read
 in a subprocess of its own, so its CPU is not counted. Prints this process's CPU time (all threads,
 zmq's I/O thread included) per output (one request's new tokens of one engine step: at c=1, per step)
-and per request. Not a test; run it alone on the machine.
+and per request, and that time by thread (`/proc/self/task/*/schedstat`: the event loop, zmq's I/O
+threads, the output socket's reading thread). Not a test; run it alone on the machine.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,8 +66,25 @@ async def relay(channel: CallerChannel, outbox: OutputOutbox) -> None:
         await outbox.send(encode(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures])))
 
 
-async def measure(seconds: float, concurrency: int) -> tuple[float, float, int]:
-    """(CPU ms per output, CPU ms per request, requests) of one run."""
+def thread_cpu_ns() -> dict[str, int]:
+    """CPU time (ns) of each of this process's threads, by name (Python's names where it has them)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    times: dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run_ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # the thread ended
+            continue
+        name = names.get(int(tid), comm)
+        times[name] = times.get(name, 0) + run_ns
+    return times
+
+
+async def measure(seconds: float, concurrency: int) -> tuple[float, float, int, dict[str, float]]:
+    """(CPU ms per output, CPU ms per request, requests, µs per output by thread) of one run."""
     client = EngineClient(engine_client_config(EngineAddresses("tcp://127.0.0.1:0"), handshake_timeout_s=60))
     client.bind()
     engine = subprocess.Popen(builtin_engine_command(client.handshake_address, max_model_len=1024, max_num_seqs=256,
@@ -105,12 +125,13 @@ async def measure(seconds: float, concurrency: int) -> tuple[float, float, int]:
 
         await asyncio.gather(*(worker(time.monotonic() + 1.0) for _ in range(concurrency)))  # warm-up
         steps = done = 0
-        cpu0 = time.process_time()
+        cpu0, threads0 = time.process_time(), thread_cpu_ns()
         await asyncio.gather(*(worker(time.monotonic() + seconds) for _ in range(concurrency)))
-        cpu = time.process_time() - cpu0
+        cpu, threads1 = time.process_time() - cpu0, thread_cpu_ns()
         relay_task.cancel()
         outbox.close()
-        return cpu * 1e3 / max(steps, 1), cpu * 1e3 / max(done, 1), done
+        by_thread = {name: (ns - threads0.get(name, 0)) / 1e3 / max(steps, 1) for name, ns in threads1.items()}
+        return cpu * 1e3 / max(steps, 1), cpu * 1e3 / max(done, 1), done, by_thread
     finally:
         await client.close()
         engine.terminate()
@@ -134,8 +155,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     results = [uvloop.run(measure(args.seconds, args.concurrency)) for _ in range(args.runs)]
-    for i, (per_step, per_request, done) in enumerate(results, 1):
-        print(f"run {i}: {per_step * 1e3:.0f} µs CPU per output, {per_request:.2f} ms per request ({done} requests)")
+    for i, (per_step, per_request, done, by_thread) in enumerate(results, 1):
+        threads = ", ".join(f"{name} {us:.0f}" for name, us in sorted(by_thread.items(), key=lambda kv: -kv[1]) if us >= 0.5)
+        print(f"run {i}: {per_step * 1e3:.0f} µs CPU per output, {per_request:.2f} ms per request ({done} requests); "
+              f"µs per output by thread: {threads}")
     print(f"median: {statistics.median(r[0] for r in results) * 1e3:.0f} µs per output, "
           f"{statistics.median(r[1] for r in results):.2f} ms per {TOKENS}-token request, c={args.concurrency}")
 

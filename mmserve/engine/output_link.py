@@ -11,85 +11,40 @@ Neither side knows what the bytes hold (`mmserve.protocol.OutputBatch`). Nothing
 high-water mark on either side (the caller reads as fast as its loop runs; a batch waits in
 memory rather than vanish).
 
-The inbox is read by a thread of its own with blocking receives, not through pyzmq's asyncio
-socket, which costs a future, an EVENTS query and a reader re-arm per message: 165 µs of CPU per
-message against 89 for the thread and its hand-over, at one message every 2 ms (an engine step at
-one stream; `bench/inbox_bench.py`). The thread hands what it received to the event loop in one
-wake-up per burst: a caller whose loop lags takes every waiting batch at once.
+The inbox is read by a thread of its own with blocking receives (`socket_reader.SocketReader`), not
+through pyzmq's asyncio socket: 89 µs of CPU per message against 165 at one message every 2 ms (an
+engine step at one stream; `bench/inbox_bench.py`), and a loop that lags takes every waiting batch
+at once.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import threading
-
 import zmq
 import zmq.asyncio
 
-# How often the inbox's thread looks up from a silent socket to see whether it was closed.
-INBOX_POLL_MS = 100
+from .socket_reader import SocketReader
 
 
 class OutputInbox:
     """The caller's end: bound once, for the caller's life; every engine client connects to it.
-    Created on the caller's event loop, which `recv` serves."""
+    Read on one event loop (the first `recv`'s)."""
 
     def __init__(self, host: str) -> None:
-        # A plain (blocking) socket, used by the reading thread only once it runs.
-        self._socket = zmq.Context.instance().socket(zmq.PULL)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.RCVTIMEO, INBOX_POLL_MS)
-        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        # A sync socket on the asyncio context's own (no second zmq I/O thread in the process).
+        socket = zmq.Context.shadow(zmq.asyncio.Context.instance().underlying).socket(zmq.PULL)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.LINGER, 0)
+        port = socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._loop = asyncio.get_running_loop()
-        self._received: collections.deque[bytes] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
-        # Set by the thread when a wake-up is on its way to the loop, cleared by the loop when it
-        # takes it: one wake-up per burst, however many messages it holds.
-        self._wake_pending = False
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="output-inbox", daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        socket = self._socket
-        try:
-            while not self._closed.is_set():
-                try:
-                    message = socket.recv(copy=True)
-                except zmq.Again:
-                    continue
-                self._received.append(message)
-                if not self._wake_pending:
-                    self._wake_pending = True
-                    try:
-                        self._loop.call_soon_threadsafe(self._wake)
-                    except RuntimeError:  # the loop is closed: nobody reads any more
-                        return
-        finally:
-            socket.close(linger=0)
-
-    def _wake(self) -> None:
-        self._wake_pending = False
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._reader = SocketReader(socket, multipart=False, name="output-inbox")
 
     async def recv(self) -> bytes:
         """The next message, in arrival order (waits for one)."""
-        while not self._received:
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._received.popleft()
+        return await self._reader.recv()
 
     def close(self) -> None:
-        """Stop reading; the thread closes the socket (a socket is used by one thread) within
-        `INBOX_POLL_MS`, unbinding the address."""
-        self._closed.set()
+        """Stop reading and close the socket, which zmq then unbinds."""
+        self._reader.close()
 
 
 class OutputOutbox:

@@ -7,7 +7,9 @@ import time
 
 import zmq
 
-from mmserve.engine.output_link import INBOX_POLL_MS, OutputInbox, OutputOutbox
+from mmserve.engine.output_link import OutputInbox, OutputOutbox
+
+from tests.support.zmq_ports import assert_bindable_soon
 
 
 def test_messages_arrive_in_order_small_and_large():
@@ -55,23 +57,14 @@ def test_a_burst_sent_while_the_loop_is_busy_is_taken_whole_and_in_order():
 def test_close_stops_the_thread_and_unbinds_the_address():
     async def run():
         inbox = OutputInbox("127.0.0.1")
-        thread = inbox._thread
+        outbox = OutputOutbox(inbox.address)
+        await outbox.send(b"one")
+        assert await asyncio.wait_for(inbox.recv(), 5) == b"one"  # the thread runs
+        thread = inbox._reader._thread
         inbox.close()
-        thread.join(INBOX_POLL_MS / 1000 * 5)
+        outbox.close()
         return inbox.address, thread.is_alive()
 
     address, alive = asyncio.run(run())
     assert not alive
-    # Unbound (zmq's I/O thread does it just after the close): the port can be bound again.
-    sock = zmq.Context.instance().socket(zmq.PULL)
-    try:
-        for attempt in range(20):
-            try:
-                sock.bind(address)
-                break
-            except zmq.ZMQError:
-                if attempt == 19:
-                    raise
-                time.sleep(0.05)
-    finally:
-        sock.close(linger=0)
+    assert_bindable_soon(address)  # the socket closed, zmq's I/O thread unbinds it just after

@@ -1,0 +1,137 @@
+"""`SocketReader`: a PULL socket read by a thread, handed to the loop; stopped at once by `close`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+
+from mmserve.engine.socket_reader import SocketReader
+from tests.support.zmq_ports import assert_bindable_soon
+
+
+def _bound_pull() -> tuple[zmq.Socket, str]:
+    socket = zmq.Context.instance().socket(zmq.PULL)
+    socket.setsockopt(zmq.LINGER, 0)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    return socket, f"tcp://127.0.0.1:{port}"
+
+
+def _push(address: str) -> zmq.Socket:
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(address)
+    return push
+
+
+def test_multipart_messages_arrive_whole_and_in_order_across_bursts():
+    async def run():
+        socket, address = _bound_pull()
+        reader = SocketReader(socket, multipart=True, name="test-reader")
+        push = _push(address)
+        try:
+            received = []
+            for burst in range(40):
+                messages = [[f"{burst}-{i}".encode(), b"aux" * i] for i in range(burst % 5 + 1)]
+                for message in messages:
+                    push.send_multipart(message)
+                if burst % 2:
+                    time.sleep(0.005)  # the loop busy: the thread takes them meanwhile
+                for _ in messages:
+                    received.append(await asyncio.wait_for(reader.recv(), 5))
+            return received
+        finally:
+            push.close()
+            reader.close()
+
+    received = asyncio.run(run())
+    assert received == [[f"{b}-{i}".encode(), b"aux" * i] for b in range(40) for i in range(b % 5 + 1)]
+
+
+def test_a_message_that_only_looks_like_a_stop_is_delivered():
+    """Only the reader's own random token stops it; an empty or short frame is a message."""
+    async def run():
+        socket, address = _bound_pull()
+        reader = SocketReader(socket, multipart=False, name="test-reader")
+        push = _push(address)
+        try:
+            for message in (b"", b"\0" * 16, b"last"):
+                push.send(message)
+            return [await asyncio.wait_for(reader.recv(), 5) for _ in range(3)]
+        finally:
+            push.close()
+            reader.close()
+
+    assert asyncio.run(run()) == [b"", b"\0" * 16, b"last"]
+
+
+def test_close_ends_the_thread_unbinds_and_wakes_a_waiting_recv():
+    async def run():
+        socket, address = _bound_pull()
+        reader = SocketReader(socket, multipart=False, name="test-reader")
+        waiting = asyncio.ensure_future(reader.recv())
+        await asyncio.sleep(0.05)  # the thread runs, blocked in its receive with no timeout
+        thread = reader._thread
+        assert thread is not None and thread.is_alive()
+        started = time.monotonic()
+        reader.close()
+        took = time.monotonic() - started
+        with pytest.raises(zmq.ZMQError):
+            await asyncio.wait_for(waiting, 2)
+        return address, thread, took
+
+    address, thread, took = asyncio.run(run())
+    assert not thread.is_alive() and took < 1
+    # The socket was closed when close returned; zmq's I/O thread unbinds it just after.
+    assert_bindable_soon(address)
+
+
+def test_a_silent_reader_does_not_wake_up():
+    """Blocked with no timeout: an idle connection costs no periodic work."""
+    async def run():
+        socket, _ = _bound_pull()
+        reader = SocketReader(socket, multipart=False, name="test-reader")
+        waiting = asyncio.ensure_future(reader.recv())
+        await asyncio.sleep(0.05)
+        thread = reader._thread
+        assert thread is not None
+        native_id = thread.native_id
+        before = _voluntary_switches(native_id)
+        await asyncio.sleep(0.5)
+        after = _voluntary_switches(native_id)
+        waiting.cancel()
+        reader.close()
+        return before, after
+
+    before, after = asyncio.run(run())
+    assert after == before
+
+
+def _voluntary_switches(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status") as status:
+        for line in status:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches line")
+
+
+def test_last_received_counts_a_message_waiting_before_the_thread_starts():
+    async def run():
+        socket, address = _bound_pull()
+        reader = SocketReader(socket, multipart=True, name="test-reader")
+        push = _push(address)
+        try:
+            assert reader.last_received() == 0.0
+            push.send_multipart([b"early"])
+            deadline = time.monotonic() + 2
+            while reader.last_received() == 0.0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert time.monotonic() - reader.last_received() < 0.1
+            assert await asyncio.wait_for(reader.recv(), 2) == [b"early"]
+        finally:
+            push.close()
+            reader.close()
+
+    asyncio.run(run())
