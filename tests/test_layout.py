@@ -41,7 +41,7 @@ MMSERVE_DEPENDS_ON: dict[str, set[str]] = {
     "mmserve.engine": {"mmserve.wire"},
     "mmserve.text": {"mmserve.model_files", "mmserve.tokenizer_files"},
     "mmserve.multimodal": {"mmserve.wire", "mmserve.model_files", "mmserve.fetch", "mmserve.vision", "mmserve.text"},
-    "mmserve.builtin_engine": {"mmserve.wire", "mmserve.model_files"},
+    "mmserve.builtin_engine": {"mmserve.wire", "mmserve.model_files", "mmserve.launcher"},
     "mmserve.launcher": set(),
     "mmserve.openai": {
         "mmserve.wire", "mmserve.protocol", "mmserve.engine", "mmserve.text", "mmserve.multimodal", "mmserve.vision",

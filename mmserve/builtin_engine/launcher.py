@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    # Linux: the engine gets SIGTERM when its engine client's process dies, so a crashed
-    # replica never leaves an orphan engine holding a connection.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+from ..launcher.parent_death import dies_with_parent
 
 
 def builtin_engine_command(
@@ -64,7 +53,9 @@ class BuiltinEngineProcess:
         cmd = builtin_engine_command(
             handshake, model_dir=model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs, step_interval_ms=step_interval_ms
         )
-        process = subprocess.Popen(cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None, env=os.environ.copy())
+        # The engine gets SIGTERM when its engine client's process dies: a crashed replica never
+        # leaves an orphan engine holding a connection.
+        process = subprocess.Popen(dies_with_parent(cmd), env=os.environ.copy())
         return cls(process)
 
     def is_alive(self) -> bool:

@@ -14,20 +14,18 @@ removed once the process and its tree are gone: a killed engine leaves its socke
 engine restarted for months would fill /tmp with them.
 
 The child stays in our process group (a new session would take vLLM's children out of reach of
-whoever cleans up after us) and gets SIGTERM when our process dies (PR_SET_PDEATHSIG), so a
+whoever cleans up after us) and gets SIGTERM when our process dies (`parent_death.py`), so a
 killed launcher does not leave an engine running.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import signal
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,9 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from .parent_death import dies_with_parent
+
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 # Flags the launcher sets itself: the engine must connect to its engine client and nowhere else.
 RESERVED_FLAGS = frozenset({"headless", "data-parallel-address", "data-parallel-rpc-port"})
 
@@ -67,13 +66,6 @@ def vllm_serve_argv(command: Sequence[str], model: str, handshake: str, engine_a
         else:
             argv += [f"--{flag}", str(value)]
     return argv
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def process_tree(root: int) -> list[int]:
@@ -199,9 +191,8 @@ class EngineSupervisor:
                 # A plain Popen, not asyncio's: asyncio's wait() also waits for the output pipe to close,
                 # which a child the engine left behind can hold open forever.
                 self._process = process = subprocess.Popen(
-                    self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    dies_with_parent(self.argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                     env={**os.environ, "VLLM_RPC_BASE_PATH": run_dir, **self.env},
-                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
                 )
                 self.starts += 1
                 self.log.info("engine process %d started: %s", process.pid, " ".join(self.argv))
