@@ -69,7 +69,33 @@ def vllm_serve_argv(command: Sequence[str], model: str, handshake: str, engine_a
 
 
 def process_tree(root: int) -> list[int]:
-    """`root` and all its descendants (Linux /proc), root first."""
+    """`root` and all its descendants (Linux /proc), root first.
+
+    Read from each process's threads' `children` lists (a few files for an engine's tree), not by
+    reading every process's `stat` (≈1 ms per look with a Ray node's hundred processes, twice a
+    second for an engine's whole life); the full scan where the kernel has no such lists."""
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # gone since its parent listed it
+            continue
+        for tid in threads:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo.extend(int(child) for child in f.read().split())
+            except FileNotFoundError:
+                if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                    continue  # the thread ended
+                return _process_tree_by_scan(root)  # no `children` lists in this kernel
+            except (OSError, ValueError):
+                continue
+    return tree
+
+
+def _process_tree_by_scan(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

@@ -144,6 +144,41 @@ def test_process_tree_lists_descendants():
     assert process_tree(os.getpid())[0] == os.getpid()
 
 
+# Two children, one with a child of its own started from a second thread that stays alive (the kernel
+# lists a child under the thread that started it, and under another thread only once that one ends).
+NESTED_TREE = r"""
+import subprocess, sys, threading, time
+sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+subprocess.Popen(sleeper)
+middle = [sys.executable, "-c", "import subprocess, sys, threading, time; "
+          "threading.Thread(target=lambda: (subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']), time.sleep(60))).start(); "
+          "time.sleep(60)"]
+subprocess.Popen(middle)
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def test_process_tree_finds_grandchildren_started_by_other_threads_as_the_full_scan_does():
+    import subprocess
+
+    from mmserve.launcher.supervisor import _process_tree_by_scan
+
+    root = subprocess.Popen([sys.executable, "-c", NESTED_TREE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert root.stdout is not None and root.stdout.readline() == "up\n"
+        deadline = time.monotonic() + 10
+        while len(_process_tree_by_scan(root.pid)) < 4:
+            assert time.monotonic() < deadline, "the grandchild never started"
+            time.sleep(0.05)
+        tree = process_tree(root.pid)
+        assert tree[0] == root.pid and sorted(tree) == sorted(_process_tree_by_scan(root.pid)) and len(tree) == 4
+    finally:
+        for pid in reversed(_process_tree_by_scan(root.pid)):
+            os.kill(pid, signal.SIGKILL)
+        root.wait()
+
+
 async def test_children_the_tree_never_showed_are_killed_when_the_engine_exits(monkeypatch, caplog):
     """A child started and left behind between two looks at the tree (a loaded machine made it so in a
     full run) is found by its run's environment: here the tree never shows any child."""
