@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/frontend_bench.py [--runs 3] [--quick] [--out bench/results/frontend.md]
         [--label NAME] [--setups vllm,mmserve] [--serve-env KEY=VALUE ...] [--mmserve-engine headless|launched]
+        [--client-group-nice N]
 
 Two systems in front of the same engine (tiny random Qwen2-VL built once, `tests/support/tiny_models.py`;
 the engine flags of `tests/support/vllm_engines.py`, max_model_len of `bench/image_chat_bench.py`), one
@@ -47,6 +48,13 @@ last reading. Processes are classified by role:
 A request fails when its status is not 200, its stream carries an error or no content, or its usage
 does not report the requested token count; failures are counted and shown, and excluded from the
 latency statistics. "Other load" is the machine's busy CPU minus all of the above: other jobs.
+
+The client's scheduling group runs at niceness -10 (`--client-group-nice`; `/proc/self/autogroup`, the
+group of this process's session, whose old niceness is restored at the end): Linux's autogroup schedules
+each session as one group, both systems run in sessions of their own, and a client in a group of equal
+weight waited up to 170 ms for a core during a 200-ms answer, receiving a streamed answer whole at its
+end (`bench/stream_delivery_probe.py`, 2026-12-06): its TTFT then measured the client. A real client
+runs on a machine of its own.
 
 Writes the markdown report (medians over runs; ratios mmserve ÷ vLLM of the medians) and, beside it,
 the per-run numbers as JSON (rewritten after every run). Not a test: nothing is asserted about timings.
@@ -400,6 +408,30 @@ def run_workload(url: str, w: Workload, bodies: list[dict[str, Any]], meter: Pro
           f"TTFT p50 {r.ttft_p50_ms:7.1f} ms, TPOT p50 {r.tpot_p50_ms:6.2f} ms, gateway {r.ms_per_request(GATEWAY):6.1f} ms "
           f"CPU/request, other load {r.cpu.other_cores:.2f} cores", flush=True)
     return r
+
+
+# The client's scheduling-group niceness (see the module's docstring).
+CLIENT_GROUP_NICE = -10
+
+
+@contextlib.contextmanager
+def client_scheduling_group(nice: int) -> Iterator[str]:
+    """This process's scheduling group (its session's autogroup) at `nice` while the block runs, then
+    back; yields what the group ran at, for the report."""
+    path = Path("/proc/self/autogroup")
+    if not path.exists():
+        yield "no autogroup (the kernel does not schedule sessions as groups)"
+        return
+    before = int(path.read_text().split("nice")[1])
+    try:
+        path.write_text(str(nice))
+    except OSError as exc:
+        print(f"!! could not set the client's scheduling group to nice {nice}: {exc}", flush=True)
+    try:
+        yield path.read_text().strip()
+    finally:
+        with contextlib.suppress(OSError):
+            path.write_text(str(before))
 
 
 def wait_ready(base_url: str, timeout_s: float, dead: Callable[[], str | None]) -> None:
@@ -860,7 +892,8 @@ def write_report(out: Path, runs: list[SystemRun], meta: dict[str, Any]) -> str:
         f"Workloads (streamed chat, temperature 0, `ignore_eos`, closed loop, no new request after {meta['workload_s']:g} s): {workloads}; "
         f"images {IMAGE_SIZE[0]}×{IMAGE_SIZE[1]} JPEG data URIs. Idle: {meta['idle_s']:g} s after the warm-up. "
         "Gateway = every non-engine process (vLLM: its API server; mmserve: all of `serve run`'s, Ray's and Serve's); "
-        "the bench client is reported apart. Medians over runs; ratios are mmserve ÷ vLLM of the medians.",
+        f"the bench client is reported apart; its scheduling group: {meta.get('client_group', 'not set (before 2026-12-06)')}. "
+        "Medians over runs; ratios are mmserve ÷ vLLM of the medians.",
         "", "### Headline", "", report.headline(), "",
         "TPOT with 8 tokens out is coarse: on a small machine a request's chunks often reach the client in one burst "
         "(client or server waiting for a core), which puts its p50 near 0; request latency (below) is the robust measure there.",
@@ -893,6 +926,8 @@ def main() -> None:
     parser.add_argument("--mmserve-engine", choices=ENGINE_STARTS, default="headless",
                         help="mmserve's engine: `vllm serve --headless` started on its own (default), or launched by "
                              "the application (`engine_launch`, a Ray actor's child); the same flags either way")
+    parser.add_argument("--client-group-nice", type=int, default=CLIENT_GROUP_NICE,
+                        help="niceness of the client's scheduling group while the bench runs (0: the default weight)")
     args = parser.parse_args()
     setups = args.setups.split(",")
     if unknown := set(setups) - set(SYSTEMS):
@@ -922,7 +957,9 @@ def main() -> None:
     started = time.monotonic()
     bodies, warm = make_bodies(args.quick)
     runs: list[SystemRun] = []
-    with tempfile.TemporaryDirectory(prefix="frontend_bench_") as tmp:
+    with client_scheduling_group(args.client_group_nice) as meta["client_group"], \
+            tempfile.TemporaryDirectory(prefix="frontend_bench_") as tmp:
+        print(f"client's scheduling group: {meta['client_group']}", flush=True)
         work = Path(tmp)
         model_dir = build_tiny_qwen2_vl(work / MODEL_NAME, seed=0)
         for run in range(1, args.runs + 1):

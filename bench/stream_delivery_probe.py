@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/stream_delivery_probe.py [--requests 6] [--serve-env K=V ...]
                                                     [--renice-gateway N] [--renice-engine N]
-                                                    [--mmserve-engine headless|launched]
+                                                    [--mmserve-engine headless|launched] [--direct]
+                                                    [--client-group-nice N]
 
 Starts what `bench/frontend_bench.py` starts for mmserve (README's `serve run` and environment, a
 `vllm serve --headless` engine on the tiny Qwen2-VL), sends streamed chats one at a time (64 tokens,
@@ -12,14 +13,19 @@ they waited for a CPU while runnable during the request (the kernel's schedstat)
 arrives in two or three chunks at its end (its TTFT is then its whole latency). With
 `--renice-gateway` / `--renice-engine`, every thread of the Serve replicas and HAProxy / of the engine's
 processes is given that niceness after the warm-up (niceness is per thread on Linux; a negative
-value needs root). Prints the niceness each process runs at. A probe, not a benchmark: one run,
-nothing asserted; run it alone on the machine.
+value needs root). Prints the niceness each process runs at. With `--direct`, every other request goes
+straight to the ingress replica's own HTTP server (Serve's direct ingress, found in HAProxy's config)
+instead of through HAProxy: where a held-back answer is held. The client (this process) is measured
+too, in its scheduling group at niceness -10 as in `frontend_bench.py` (with `--client-group-nice 0`,
+the default weight, it was the client that held answers back, waiting up to 170 ms for a core).
+A probe, not a benchmark: one run, nothing asserted; run it alone on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -69,6 +75,18 @@ def cpu_and_wait_ms(procs: list[psutil.Process]) -> dict[str, tuple[float, float
     return totals
 
 
+def ingress_replica_url(gateway: list[psutil.Process], haproxy_port: int) -> str:
+    """An ingress replica's own HTTP address, from the config HAProxy was started with."""
+    for proc in gateway:
+        config = re.search(r"haproxy .*-f (\S+)", " ".join(proc.cmdline()))
+        if config is None:
+            continue
+        for address in re.findall(r"^\s*server \S+ (\d+\.\d+\.\d+\.\d+:\d+)", Path(config.group(1)).read_text(), re.M):
+            if not address.endswith(f":{haproxy_port}") and httpx.get(f"http://{address}/health", timeout=5).status_code == 200:
+                return f"http://{address}"
+    raise LookupError("no ingress replica found in HAProxy's config")
+
+
 def renice_threads(procs: list[psutil.Process], niceness: int) -> int:
     tids = [tid for proc in procs for tid in os.listdir(f"/proc/{proc.pid}/task")]
     subprocess.run(["renice", "-n", str(niceness), "-p", *tids], check=True, capture_output=True)
@@ -83,7 +101,16 @@ def main() -> None:
     parser.add_argument("--renice-engine", type=int)
     parser.add_argument("--mmserve-engine", choices=fb.ENGINE_STARTS, default="headless",
                         help="as frontend_bench's: the engine on its own, or launched by the application")
+    parser.add_argument("--direct", action="store_true", help="every other request straight to the ingress replica, not through HAProxy")
+    parser.add_argument("--client-group-nice", type=int, default=fb.CLIENT_GROUP_NICE,
+                        help="as frontend_bench's: the niceness of the client's scheduling group (0: the default weight)")
     args = parser.parse_args()
+    with fb.client_scheduling_group(args.client_group_nice) as group:
+        print(f"client's scheduling group: {group}")
+        probe(args)
+
+
+def probe(args: argparse.Namespace) -> None:
     body = fb.gb.chat_body(fb.MODEL_NAME, 64, token_ids=False)
     _, readme_env, port = fb.readme_quick_start()
     env = fb.serve_environment(readme_env, dict(item.split("=", 1) for item in args.serve_env))
@@ -113,14 +140,18 @@ def main() -> None:
             for proc in [*gateway, *engine_procs]:
                 print(f"  niceness {proc.nice():3d} (main thread): {' '.join(proc.cmdline())[:90]}")
             print(f"serve env: {env}")
+            direct_url = ingress_replica_url(gateway, port) if args.direct else None
             for index in range(args.requests):
-                before = cpu_and_wait_ms([*gateway, *engine_procs])
-                started, arrivals = chunk_times(serve.base_url, body)
-                after = cpu_and_wait_ms([*gateway, *engine_procs])
+                url = direct_url if direct_url is not None and index % 2 else serve.base_url
+                # This process too: the client that reads the chunks, in a scheduling group of its own.
+                measured = [*gateway, *engine_procs, psutil.Process()]
+                before = cpu_and_wait_ms(measured)
+                started, arrivals = chunk_times(url, body)
+                after = cpu_and_wait_ms(measured)
                 offsets = [(t - started) * 1e3 for t in arrivals]
                 half = offsets[-1] / 2
-                print(f"request {index}: {len(offsets)} chunks, first {offsets[0]:.0f} ms, last {offsets[-1]:.0f} ms, "
-                      f"{sum(o < half for o in offsets)} before half-time", flush=True)
+                print(f"request {index}{' (straight to the replica)' if url != serve.base_url else ''}: {len(offsets)} chunks, "
+                      f"first {offsets[0]:.0f} ms, last {offsets[-1]:.0f} ms, {sum(o < half for o in offsets)} before half-time", flush=True)
                 for name, (ran, waited) in after.items():
                     if name in before and ran - before[name][0] >= 1:
                         print(f"    {name:40s} on CPU {ran - before[name][0]:6.1f} ms, waiting for one "
