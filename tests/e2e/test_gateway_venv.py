@@ -77,6 +77,18 @@ def test_serve_replicas_and_builtin_engine_run_from_this_venv(builtin_app) -> No
     _assert_runs_from_this_venv("built-in engine", psutil.Process(builtin_pid))
 
 
+def test_the_ingress_replica_gets_the_serve_settings_the_app_sets_for_it(builtin_app) -> None:
+    """Set by the application, not by whoever started Ray: the test's Ray instance was started
+    without them."""
+    from deployments.ingress import INGRESS_REPLICA_ENV
+
+    assert not set(INGRESS_REPLICA_ENV) & set(os.environ)
+    replicas = _replica_processes(builtin_app.name)
+    environ = replicas["Ingress"].environ()
+    assert {key: environ.get(key) for key in INGRESS_REPLICA_ENV} == INGRESS_REPLICA_ENV
+    assert not set(INGRESS_REPLICA_ENV) & set(replicas["EngineClient0"].environ())
+
+
 @pytest.mark.real_engine
 def test_real_engine_app_runs_from_this_venv_and_its_engine_from_the_reference_venv(vllm_app) -> None:
     replicas = _replica_processes(vllm_app.app.name)
