@@ -151,13 +151,5 @@ def assert_nothing_in_flight(app, index: int = 0, within_s: float = 1.0) -> None
     assert info.num_in_flight == 0, info
 
 
-def pid_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def get_health(app) -> httpx.Response:
     return httpx.get(app.base_url + "/health", timeout=10)

@@ -26,11 +26,11 @@ from tests.e2e.fault_support import (
     assert_nothing_in_flight,
     get_health,
     open_streams,
-    pid_gone,
     short_chat,
     wait_for,
     wait_recovered,
 )
+from tests.support.processes import pid_gone
 
 # Tight time bounds: not while the work started after collection shares the cores.
 pytestmark = [pytest.mark.serve, pytest.mark.usefixtures("background_settled")]

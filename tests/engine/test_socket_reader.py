@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -26,12 +28,24 @@ def _push(address: str) -> zmq.Socket:
     return push
 
 
+@contextlib.contextmanager
+def _reader_and_sender(*, multipart: bool) -> Iterator[tuple[SocketReader, zmq.Socket]]:
+    """A reader on a bound PULL socket and a PUSH socket connected to it; both closed after."""
+    socket, address = _bound_pull()
+    reader = SocketReader(socket, multipart=multipart, name="test-reader")
+    push = _push(address)
+    try:
+        yield reader, push
+    finally:
+        push.close()
+        reader.close()
+
+
 def test_multipart_messages_arrive_whole_and_in_order_across_bursts():
+    """The thread receives while the loop does something else; the loop then takes every waiting
+    message, in order, with no message lost between the thread and the loop."""
     async def run():
-        socket, address = _bound_pull()
-        reader = SocketReader(socket, multipart=True, name="test-reader")
-        push = _push(address)
-        try:
+        with _reader_and_sender(multipart=True) as (reader, push):
             received = []
             for burst in range(40):
                 messages = [[f"{burst}-{i}".encode(), b"aux" * i] for i in range(burst % 5 + 1)]
@@ -42,9 +56,6 @@ def test_multipart_messages_arrive_whole_and_in_order_across_bursts():
                 for _ in messages:
                     received.append(await asyncio.wait_for(reader.recv(), 5))
             return received
-        finally:
-            push.close()
-            reader.close()
 
     received = asyncio.run(run())
     assert received == [[f"{b}-{i}".encode(), b"aux" * i] for b in range(40) for i in range(b % 5 + 1)]
@@ -53,16 +64,10 @@ def test_multipart_messages_arrive_whole_and_in_order_across_bursts():
 def test_a_message_that_only_looks_like_a_stop_is_delivered():
     """Only the reader's own random token stops it; an empty or short frame is a message."""
     async def run():
-        socket, address = _bound_pull()
-        reader = SocketReader(socket, multipart=False, name="test-reader")
-        push = _push(address)
-        try:
+        with _reader_and_sender(multipart=False) as (reader, push):
             for message in (b"", b"\0" * 16, b"last"):
                 push.send(message)
             return [await asyncio.wait_for(reader.recv(), 5) for _ in range(3)]
-        finally:
-            push.close()
-            reader.close()
 
     assert asyncio.run(run()) == [b"", b"\0" * 16, b"last"]
 
@@ -119,10 +124,7 @@ def _voluntary_switches(native_id: int) -> int:
 
 def test_last_received_counts_a_message_waiting_before_the_thread_starts():
     async def run():
-        socket, address = _bound_pull()
-        reader = SocketReader(socket, multipart=True, name="test-reader")
-        push = _push(address)
-        try:
+        with _reader_and_sender(multipart=True) as (reader, push):
             assert reader.last_received() == 0.0
             push.send_multipart([b"early"])
             deadline = time.monotonic() + 2
@@ -130,8 +132,5 @@ def test_last_received_counts_a_message_waiting_before_the_thread_starts():
                 time.sleep(0.01)
             assert time.monotonic() - reader.last_received() < 0.1
             assert await asyncio.wait_for(reader.recv(), 2) == [b"early"]
-        finally:
-            push.close()
-            reader.close()
 
     asyncio.run(run())

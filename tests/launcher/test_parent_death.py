@@ -10,6 +10,7 @@ import sys
 import time
 
 from mmserve.launcher.parent_death import dies_with_parent
+from tests.support.processes import pid_gone
 
 # A parent that starts a sleeping child through `dies_with_parent`, prints the child's pid, then waits
 # to be killed.
@@ -22,14 +23,6 @@ time.sleep(600)
 """
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def test_the_child_is_terminated_when_its_parent_is_killed():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
@@ -39,15 +32,15 @@ def test_the_child_is_terminated_when_its_parent_is_killed():
         while "time.sleep(600)" not in open(f"/proc/{child}/cmdline").read().replace("\0", " "):
             assert time.monotonic() < deadline, "the child never became its command"
             time.sleep(0.02)  # the wrapper replaces itself with the command (same pid)
-        assert not _gone(child)
+        assert not pid_gone(child)
         parent.kill()
         parent.wait(10)
         deadline = time.monotonic() + 5
-        while not _gone(child):
+        while not pid_gone(child):
             assert time.monotonic() < deadline, "the child outlived its killed parent"
             time.sleep(0.02)
     finally:
-        if not _gone(child):
+        if not pid_gone(child):
             os.kill(child, signal.SIGKILL)
 
 
