@@ -118,8 +118,8 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 # Ray. User code on the replica's own event loop, where its HTTP server (Serve's direct ingress) runs:
 # with Serve's default, a second loop in a thread of its own, every request and every SSE chunk
 # crosses between the two threads. Measured against vLLM's server, 3 runs each (`bench/RESULTS.md` §0):
-# the Ingress 17.3 against 21.7 ms of CPU per 64-token stream at c=1, 6.0 against 7.2 at c=32, the
-# same per image request. The ingress's blocking work runs in threads of its own (`off_loop`), so the
+# the Ingress 17.3 against 21.7 ms of CPU per 64-token stream at c=1, 6.0 against 7.2 at c=32, about
+# the same per image request. The ingress's blocking work runs in threads of its own (`off_loop`), so the
 # shared loop does not delay Serve's health checks.
 INGRESS_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
