@@ -1,7 +1,7 @@
 """The gateway's front-end cost, side by side with vLLM's own API server (issue 16, step 1).
 
     .venv/bin/python bench/frontend_bench.py [--runs 3] [--quick] [--out bench/results/frontend.md]
-        [--label NAME] [--setups vllm,mmserve] [--serve-env KEY=VALUE ...] [--mmserve-engine headless|launched]
+        [--label NAME] [--setups vllm,mmserve] [--serve-env KEY=VALUE ...] [--mmserve-engine launched|headless]
         [--client-group-nice N]
 
 Two systems in front of the same engine (tiny random Qwen2-VL built once, `tests/support/tiny_models.py`;
@@ -14,13 +14,14 @@ after the other, never at the same time. Each run starts both afresh, in this or
   served_model_name=… engines=tcp://127.0.0.1:PORT handshake_timeout_s=600 health_check_timeout_s=30`
   from the repository root, with the `NAME=value` settings README's quick-start command puts before
   `.venv/bin/serve` (parsed from README.md; `--serve-env` adds or overrides) and no other `RAY_*`
-  variable, on README's HTTP port; a `vllm serve --headless` engine (`HeadlessVllmEngine`, same flags)
-  connects to it. Stopped with SIGINT to `serve run`; whatever of its processes outlives that is killed.
-  With `--mmserve-engine launched`, no engine is started beside it: `engine_launch=…` (same flags and
-  environment) has the application start it as its launcher actor's child, README's usual way. The
-  difference matters on a shared node: Linux's autogroup schedules each session as one group, and the
-  headless engine runs in a session of its own, where vLLM's API server shares its engine's
-  (`bench/RESULTS.md` §0, "scheduling groups").
+  variable, on README's HTTP port. Its engine is the same `vllm serve --headless` with the same flags
+  and environment, launched by the application (`engine_launch=…`: its launcher actor's child, in Ray's
+  session), README's usual way. With `--mmserve-engine headless` (the default before 2026-12-06), the
+  engine (`HeadlessVllmEngine`) is started beside `serve run` instead, in a session of its own, and
+  connects to it (`engines=tcp://…`). The difference matters on a shared node: Linux's autogroup
+  schedules each session as one group; vLLM's API server shares its engine's, a launched engine shares
+  the gateway's, and a headless engine's group starves the gateway (`bench/RESULTS.md` §0, "scheduling
+  groups"). Stopped with SIGINT to `serve run`; whatever of its processes outlives that is killed.
 
 Per system and run: wait until `/health` is 200 and a chat succeeds, warm up (text and image chats),
 measure idle CPU, then the workloads: streamed chat completions (`stream_options.include_usage`,
@@ -923,9 +924,9 @@ def main() -> None:
     parser.add_argument("--setups", default="vllm,mmserve", help="comma-separated: vllm, mmserve")
     parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
                         help="adds to / overrides README's environment for `serve run`; repeatable")
-    parser.add_argument("--mmserve-engine", choices=ENGINE_STARTS, default="headless",
-                        help="mmserve's engine: `vllm serve --headless` started on its own (default), or launched by "
-                             "the application (`engine_launch`, a Ray actor's child); the same flags either way")
+    parser.add_argument("--mmserve-engine", choices=ENGINE_STARTS, default="launched",
+                        help="mmserve's engine: launched by the application (`engine_launch`, a Ray actor's child; "
+                             "default), or `vllm serve --headless` started on its own; the same flags either way")
     parser.add_argument("--client-group-nice", type=int, default=CLIENT_GROUP_NICE,
                         help="niceness of the client's scheduling group while the bench runs (0: the default weight)")
     args = parser.parse_args()

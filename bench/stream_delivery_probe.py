@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/stream_delivery_probe.py [--requests 6] [--serve-env K=V ...]
                                                     [--renice-gateway N] [--renice-engine N]
-                                                    [--mmserve-engine headless|launched] [--direct]
+                                                    [--mmserve-engine launched|headless] [--direct]
                                                     [--client-group-nice N]
 
 Starts what `bench/frontend_bench.py` starts for mmserve (README's `serve run` and environment, a
-`vllm serve --headless` engine on the tiny Qwen2-VL), sends streamed chats one at a time (64 tokens,
+`vllm serve --headless` engine on the tiny Qwen2-VL, launched by the app or, with `--mmserve-engine
+headless`, on its own), sends streamed chats one at a time (64 tokens,
 `ignore_eos`) and prints, per request, how many content chunks arrived, when the first and the last
 did, and how many before half the request's time, and per process how long its threads ran and how long
 they waited for a CPU while runnable during the request (the kernel's schedstat): a request whose tokens were held back somewhere
@@ -99,7 +100,7 @@ def main() -> None:
     parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--renice-gateway", type=int)
     parser.add_argument("--renice-engine", type=int)
-    parser.add_argument("--mmserve-engine", choices=fb.ENGINE_STARTS, default="headless",
+    parser.add_argument("--mmserve-engine", choices=fb.ENGINE_STARTS, default="launched",
                         help="as frontend_bench's: the engine on its own, or launched by the application")
     parser.add_argument("--direct", action="store_true", help="every other request straight to the ingress replica, not through HAProxy")
     parser.add_argument("--client-group-nice", type=int, default=fb.CLIENT_GROUP_NICE,
