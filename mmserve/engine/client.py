@@ -120,7 +120,7 @@ class EngineClient:
         config = self.config
         self._tasks = [
             asyncio.create_task(self._output_loop(), name="engine-outputs"),
-            asyncio.create_task(watch_disconnect(monitor, self._declare_dead, self._transport.outputs_quiet_for), name="engine-monitor"),
+            asyncio.create_task(watch_disconnect(monitor, self._declare_dead), name="engine-monitor"),
             asyncio.create_task(probe_health(
                 self.call_utility, lambda: self.state is EngineState.READY, self._declare_hung,
                 self._transport.last_heard, config.health_check_interval_s, config.health_check_timeout_s,

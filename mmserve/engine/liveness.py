@@ -24,26 +24,11 @@ from .errors import EngineError
 logger = logging.getLogger(__name__)
 
 
-# After the engine's connection drops: how long its outputs must have been quiet before it is
-# declared dead, and how long to wait for that at most.
-DISCONNECT_QUIET_S = 0.02
-DISCONNECT_SETTLE_MAX_S = 0.25
-
-
-async def watch_disconnect(
-    monitor: zmq.asyncio.Socket, declare_dead: Callable[[str], None], outputs_quiet_for: Callable[[float], bool],
-) -> None:
-    """Until the engine's connection drops (the transport's socket monitor says so). Then, before
-    declaring it dead, the outputs it sent before it went are read: an engine stopped with SIGTERM
-    sends its open requests' aborts and exits, and the monitor's event may come before the output
-    socket's reading thread has handed them over (`outputs_quiet_for(s)`: nothing arrived for `s`
-    and nothing waits unread)."""
+async def watch_disconnect(monitor: zmq.asyncio.Socket, declare_dead: Callable[[str], None]) -> None:
+    """Until the engine's connection drops (the transport's socket monitor says so)."""
     while True:
         event = parse_monitor_message(await monitor.recv_multipart())
         if event["event"] == zmq.EVENT_DISCONNECTED:
-            deadline = time.monotonic() + DISCONNECT_SETTLE_MAX_S
-            while not outputs_quiet_for(DISCONNECT_QUIET_S) and time.monotonic() < deadline:
-                await asyncio.sleep(DISCONNECT_QUIET_S / 2)
             declare_dead("engine connection lost (process exited or network failed)")
             return
 

@@ -36,7 +36,7 @@ class OutputInbox:
         socket.setsockopt(zmq.LINGER, 0)
         port = socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._reader = SocketReader(socket, multipart=False, name="output-inbox")
+        self._reader = SocketReader(socket, name="output-inbox")
 
     async def recv(self) -> bytes:
         """The next message, in arrival order (waits for one)."""

@@ -1,4 +1,5 @@
-"""A ZMQ PULL socket read by a thread of its own, handed to an asyncio loop in one wake-up per burst.
+"""A ZMQ PULL socket read by a thread of its own, handed to an asyncio loop in one wake-up per burst
+(an ingress replica's output inbox).
 
 pyzmq's asyncio socket costs, per message, a future, an `EVENTS` query and a re-arm of the loop's
 reader; a thread blocked in `recv` costs the receive and, per burst, one `call_soon_threadsafe`
@@ -18,7 +19,6 @@ import asyncio
 import collections
 import os
 import threading
-import time
 
 import zmq
 
@@ -27,36 +27,25 @@ CLOSE_WAIT_S = 2.0
 
 
 class SocketReader:
-    """Reads `socket` (a bound sync PULL socket, handed over: nobody else may use it) in a thread
-    started by the first `recv`, on that call's event loop. `multipart`: messages are lists of
-    frames (`recv_multipart`), else single frames (`recv`)."""
+    """Reads `socket` (a bound sync PULL socket of single-frame messages, handed over: nobody else
+    may use it) in a thread started by the first `recv`, on that call's event loop."""
 
-    def __init__(self, socket: zmq.Socket, *, multipart: bool, name: str) -> None:
+    def __init__(self, socket: zmq.Socket, *, name: str) -> None:
         self._socket = socket
-        self._multipart = multipart
         self._name = name
         self._stop_token = os.urandom(16)
         self._stop_address = f"inproc://mmserve-stop-{self._stop_token.hex()}"
         socket.bind(self._stop_address)
-        self._received: collections.deque = collections.deque()
+        self._received: collections.deque[bytes] = collections.deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future[None] | None = None
         # Set by the thread when a wake-up is on its way to the loop, cleared by the loop when it
         # takes it: one wake-up per burst, however many messages it holds.
         self._wake_pending = False
         self._thread: threading.Thread | None = None
-        self._last_received = 0.0
         self.closed = False
 
-    def last_received(self) -> float:
-        """When a message last arrived (monotonic), or now if one waits unread; 0.0 before any."""
-        if self._received:
-            return time.monotonic()
-        if self._thread is None and not self._socket.closed and self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            return time.monotonic()  # not reading yet, and a message waits in the socket
-        return self._last_received
-
-    async def recv(self):
+    async def recv(self) -> bytes:
         """The next message, in arrival order (waits for one)."""
         if self._thread is None:
             self._start()
@@ -100,13 +89,11 @@ class SocketReader:
     def _read(self) -> None:
         socket, token, loop = self._socket, self._stop_token, self._loop
         assert loop is not None
-        receive = socket.recv_multipart if self._multipart else socket.recv
         try:
             while True:
-                message = receive()
-                if (message == [token]) if self._multipart else (message == token):
+                message = socket.recv()
+                if message == token:
                     return
-                self._last_received = time.monotonic()
                 self._received.append(message)
                 if not self._wake_pending:
                     self._wake_pending = True

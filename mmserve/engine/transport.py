@@ -4,11 +4,6 @@ The front-end binds all three sockets and the engine connects to them (vLLM's he
 mode): a ROUTER for the handshake, a ROUTER for requests (the engine's DEALER identity is
 its data-parallel rank) and a PULL for outputs. Nothing here knows about requests; see
 `client.py` for their lifecycle.
-
-The output socket, which carries every engine step, is read by a thread of its own
-(`socket_reader.SocketReader`): a loop that lags takes several steps in one wake-up, 19 % less CPU
-per request at 32 streams than pyzmq's asyncio socket and the same at one (`bench/relay_bench.py`).
-The handshake and input sockets stay on the event loop.
 """
 
 from __future__ import annotations
@@ -27,7 +22,6 @@ import zmq.asyncio
 from ..wire import SUPPORTED_VLLM_VERSIONS, EngineZmqAddresses, HandshakeInit, ReadyResponse
 from ..wire.codec import Frame, decode_ready_response, decode_status, encode_handshake_init
 from .errors import EngineNotReadyError, EngineVersionError
-from .socket_reader import SocketReader
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +71,11 @@ class EngineTransport:
         self._inputs = self._ctx.socket(zmq.ROUTER)
         # Fail loudly (EHOSTUNREACH) instead of dropping a request when the engine is gone.
         self._inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A sync socket on the same context, for the reading thread.
-        self._outputs = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PULL)
+        self._outputs = self._ctx.socket(zmq.PULL)
         for sock in (self._handshake, self._inputs, self._outputs):
             sock.setsockopt(zmq.LINGER, 0)
         # Outputs must never be dropped: no high-water mark on the receiving side.
         self._outputs.setsockopt(zmq.RCVHWM, 0)
-        # Takes the socket over (its stop address bound first: the engine's is its last endpoint).
-        self._output_reader = SocketReader(self._outputs, multipart=True, name="engine-outputs")
         self._inputs.setsockopt(zmq.SNDHWM, 0)
         host = addresses.host
         self.handshake_address = _bind(self._handshake, addresses.handshake, host)
@@ -94,6 +85,7 @@ class EngineTransport:
         # Called with (array, zmq frame) for every zero-copy frame sent (tests, diagnostics).
         self.frame_observer: Callable[[np.ndarray, zmq.Frame], None] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
+        self._last_output_at = 0.0
         self.closed = False
 
     async def handshake(self, timeout_s: float) -> ReadyResponse:
@@ -161,19 +153,21 @@ class EngineTransport:
         await self._inputs.send_multipart(parts, copy=False)
 
     async def recv_output(self) -> list[bytes]:
-        """The engine's next output message (its frames); one event loop reads them all."""
-        return await self._output_reader.recv()
+        frames = await self._outputs.recv_multipart()
+        self._last_output_at = time.monotonic()
+        return frames
 
     def last_heard(self) -> float:
         """When the engine was last heard from (monotonic), the proof of life of a busy engine: when an
-        output last arrived, or now if one waits unread. The reading thread receives while this
+        output was last read, or now if one waits unread. zmq's I/O thread receives while this
         process's event loop is stalled (a loaded gateway), and a stalled loop must not take the
         engine's outputs for silence."""
-        return self._output_reader.last_received()
-
-    def outputs_quiet_for(self, seconds: float) -> bool:
-        """No output arrived for `seconds` and none waits unread."""
-        return time.monotonic() - self._output_reader.last_received() >= seconds
+        # `get`, not `getsockopt`: pyzmq's asyncio socket re-arms its reader in `get` (reading EVENTS
+        # consumes the descriptor's edge); `getsockopt` is the base class's and would leave a waiting
+        # `recv_output` asleep.
+        if self._outputs.get(zmq.EVENTS) & zmq.POLLIN:
+            return time.monotonic()
+        return self._last_output_at
 
     def close_handshake(self) -> None:
         """Unbind the handshake port (the handshake cannot be redone on this connection)."""
@@ -188,7 +182,6 @@ class EngineTransport:
         if self._monitor is not None:
             self._inputs.disable_monitor()
             self._monitor.close(linger=0)
-        for sock in (self._handshake, self._inputs):
+        for sock in (self._handshake, self._inputs, self._outputs):
             if not sock.closed:
                 sock.close(linger=0)
-        self._output_reader.close()
