@@ -686,7 +686,7 @@ def start_mmserve_engine(engine_start: str, model_dir: Path, log_path: Path) -> 
 
 
 def run_mmserve(run: int, model_dir: Path, work: Path, bodies: dict[str, list[dict[str, Any]]], warm: list[dict[str, Any]],
-                timing: Timing, env: dict[str, str], port: int, engine_start: str = "headless") -> SystemRun:
+                timing: Timing, env: dict[str, str], port: int, engine_start: str = "launched") -> SystemRun:
     how = "`vllm serve --headless` on its own" if engine_start == "headless" else "its engine launched by the app"
     print(f"== run {run}: mmserve (`serve run` as README starts it, {how})", flush=True)
     t0 = time.monotonic()

@@ -11,7 +11,7 @@ streamed 64-token requests (`ignore_eos`) at the given concurrency; the caller's
 in a subprocess of its own, so its CPU is not counted. Prints this process's CPU time (all threads,
 zmq's I/O thread included) per output (one request's new tokens of one engine step: at c=1, per step)
 and per request, and that time by thread (`/proc/self/task/*/schedstat`: the event loop, zmq's I/O
-threads, the output socket's reading thread). Not a test; run it alone on the machine.
+thread, any other). Not a test; run it alone on the machine.
 """
 
 from __future__ import annotations
