@@ -1,5 +1,5 @@
 """CPU per message of reading an ingress replica's output link: pyzmq's asyncio socket against
-`OutputInbox` (a blocking receive in a thread of its own, handed to the event loop).
+`LinkInbox` (a blocking receive in a thread of its own, handed to the event loop).
 
     .venv/bin/python bench/inbox_bench.py [--messages 2000] [--runs 3]
 
@@ -25,7 +25,7 @@ import uvloop  # noqa: E402
 import zmq  # noqa: E402
 import zmq.asyncio  # noqa: E402
 
-from mmserve.engine.output_link import OutputInbox  # noqa: E402
+from mmserve.engine.zmq_link import LinkInbox  # noqa: E402
 
 SENDER = """
 import sys, time, zmq
@@ -41,7 +41,7 @@ time.sleep(0.2)
 
 
 class AsyncioSocketReader:
-    """The reader `OutputInbox` replaced: `await` on pyzmq's asyncio PULL socket."""
+    """The reader `LinkInbox` replaced: `await` on pyzmq's asyncio PULL socket."""
 
     def __init__(self) -> None:
         self._socket = zmq.asyncio.Context.instance().socket(zmq.PULL)
@@ -86,9 +86,9 @@ def main() -> None:
     parser.add_argument("--work-ms", type=float, default=0.0, help="CPU the loop spends per message (a busy ingress)")
     parser.add_argument("--interval-ms", type=float, default=2.0, help="the sender's pause between messages")
     args = parser.parse_args()
-    results: dict[str, list[float]] = {"pyzmq asyncio socket": [], "OutputInbox (thread)": []}
+    results: dict[str, list[float]] = {"pyzmq asyncio socket": [], "LinkInbox (thread)": []}
     for _ in range(args.runs):
-        for name, reader in zip(results, (AsyncioSocketReader, lambda: OutputInbox("127.0.0.1"))):
+        for name, reader in zip(results, (AsyncioSocketReader, lambda: LinkInbox("127.0.0.1"))):
             results[name].append(uvloop.run(cpu_per_message(reader, args.messages, args.work_ms / 1e3, args.interval_ms)))
     for name, values in results.items():
         print(f"{name:22s} median {statistics.median(values) * 1e6:4.0f} µs CPU per message "

@@ -5,9 +5,9 @@ passing each engine step's outputs on to an ingress replica.
 
 One process holds what an EngineClient replica runs on the output path (`EngineClient` reading the
 engine's output socket, a `CallerChannel` per caller, the `subscribe` loop of
-`deployments/engine_client.py` sending `OutputBatch`es over an `OutputOutbox`), on uvloop as Ray's
+`deployments/engine_client.py` sending `OutputBatch`es over an `LinkOutbox`), on uvloop as Ray's
 workers run it, and nothing else: no Ray, no Serve. A built-in engine subprocess (2 ms steps) serves
-streamed 64-token requests (`ignore_eos`) at the given concurrency; the caller's `OutputInbox` is read
+streamed 64-token requests (`ignore_eos`) at the given concurrency; the caller's `LinkInbox` is read
 in a subprocess of its own, so its CPU is not counted. Prints this process's CPU time (all threads,
 zmq's I/O thread included) per output (one request's new tokens of one engine step: at c=1, per step)
 and per request, and that time by thread (`/proc/self/task/*/schedstat`: the event loop, zmq's I/O
@@ -32,7 +32,7 @@ import uvloop  # noqa: E402
 
 from mmserve.builtin_engine import builtin_engine_command  # noqa: E402
 from mmserve.engine import EngineAddresses, EngineClient  # noqa: E402
-from mmserve.engine.output_link import OutputOutbox  # noqa: E402
+from mmserve.engine.zmq_link import LinkOutbox  # noqa: E402
 from mmserve.engine.outputs import CallerChannel  # noqa: E402
 from mmserve.protocol import OutputBatch, RequestFailed, encode  # noqa: E402
 from mmserve.wire import EngineCoreRequest, SamplingParams  # noqa: E402
@@ -59,7 +59,7 @@ def request(number: int) -> EngineCoreRequest:
     )
 
 
-async def relay(channel: CallerChannel, outbox: OutputOutbox) -> None:
+async def relay(channel: CallerChannel, outbox: LinkOutbox) -> None:
     """`EngineClientDeployment.subscribe`'s loop after its first item."""
     while True:
         outputs, failures = await channel.take()
@@ -93,7 +93,7 @@ async def measure(seconds: float, concurrency: int) -> tuple[float, float, int, 
     try:
         await client.start()
         assert reader.stdout is not None
-        outbox = OutputOutbox(reader.stdout.readline().strip())
+        outbox = LinkOutbox(reader.stdout.readline().strip())
         channel = CallerChannel()
         relay_task = asyncio.get_running_loop().create_task(relay(channel, outbox))
         numbers = iter(range(10**9))

@@ -27,7 +27,7 @@ from ray import serve
 
 from mmserve.engine.outputs import CallerChannel
 from mmserve.engine.frame_diagnostics import FrameTrace
-from mmserve.engine.output_link import OutputOutbox
+from mmserve.engine.zmq_link import LinkOutbox
 from mmserve.multimodal import ImagesRefused, ProcessedImages
 from mmserve.protocol import NOT_THIS_ENGINE, Admission, EngineInfo, OutputBatch, RequestFailed, RequestRefused, encode
 from mmserve.wire import EngineCoreRequest
@@ -125,7 +125,7 @@ class EngineClientDeployment:
 
     async def subscribe(self, caller: str, inbox: str, engine: str = "") -> AsyncIterator[bytes]:
         """The caller's output stream: one `OutputBatch` naming this replica, here; then, over ZMQ
-        to the caller's `inbox` (see `mmserve.engine.output_link`), batches of its requests' outputs
+        to the caller's `inbox` (see `mmserve.engine.zmq_link`), batches of its requests' outputs
         and failures, each as soon as the previous one is on its way. This call stays open as
         long as the link: it ends (and aborts the caller's requests) when the caller cancels it or
         dies. A stream meant for another replica ends at once."""
@@ -137,7 +137,7 @@ class EngineClientDeployment:
         if (previous := self._subscribers.get(caller)) is not None:
             previous.cancel()  # one stream per caller: the newest
         self._subscribers[caller] = task
-        outbox = OutputOutbox(inbox)
+        outbox = LinkOutbox(inbox)
         try:
             yield encode(OutputBatch(replica=self.replica))
             while True:

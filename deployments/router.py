@@ -20,7 +20,7 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from mmserve.engine import EngineDeadError, EngineNotReadyError
-from mmserve.engine.output_link import OutputInbox
+from mmserve.engine.zmq_link import LinkInbox
 from mmserve.multimodal import ImageBatchRequest
 from mmserve.openai.engine_outputs import OutputDemux
 from mmserve.openai.engine_router import EngineConnection, EngineRouter, EngineSource, ReplicaLostError, StaticEngines
@@ -218,7 +218,7 @@ class HandleEngineConnection:
         arrive over ZMQ at this connection's inbox, while the `subscribe` call beside it says which
         engine-client replica sends them, and by ending, that it is gone; then the requests it
         carried fail and this subscribes again."""
-        inbox = OutputInbox(_node_ip())
+        inbox = LinkInbox(_node_ip())
         receiver = asyncio.get_running_loop().create_task(self._receive(inbox), name="engine-output-inbox")
         try:
             while True:
@@ -243,7 +243,7 @@ class HandleEngineConnection:
             receiver.cancel()
             inbox.close()
 
-    async def _receive(self, inbox: OutputInbox) -> None:
+    async def _receive(self, inbox: LinkInbox) -> None:
         while True:
             self.demux.dispatch(decode_output_batch(await inbox.recv()))
 

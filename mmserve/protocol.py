@@ -4,7 +4,7 @@ Not vLLM's wire (that is `mmserve/wire`, which mirrors vLLM only). Per request, 
 (`add`) answers with its `Admission`; the request's outputs do not travel on a stream of their
 own: each ingress replica subscribes once to each engine client, which then sends it
 `OutputBatch`es, the outputs of all that replica's requests since the previous batch, merged
-while the ingress lags, over ZMQ (`mmserve.engine.output_link`), not Ray. So Ray carries one call
+while the ingress lags, over ZMQ (`mmserve.engine.zmq_link`), not Ray. So Ray carries one call
 per request and nothing per token. Everything is msgpack-encoded.
 """
 

@@ -1,4 +1,5 @@
-"""`SocketReader`: a PULL socket read by a thread, handed to the loop; stopped at once by `close`."""
+"""The ZMQ links (`mmserve.engine.zmq_link`): `SocketReader`, a PULL socket read by a thread, handed to the loop
+and stopped at once by `close`; and the inbox and outbox over it, messages whole and in order."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from mmserve.engine.socket_reader import SocketReader
+from mmserve.engine.zmq_link import LinkInbox, LinkOutbox, SocketReader
 from tests.support.zmq_ports import assert_bindable_soon
 
 
@@ -120,3 +121,37 @@ def _voluntary_switches(native_id: int) -> int:
             if line.startswith("voluntary_ctxt_switches:"):
                 return int(line.split()[1])
     raise AssertionError("no voluntary_ctxt_switches line")
+
+
+def test_messages_arrive_in_order_small_and_large():
+    async def run():
+        inbox = LinkInbox("127.0.0.1")
+        outbox = LinkOutbox(inbox.address)
+        try:
+            messages = [b"first", b"x" * 200_000, b"", b"last"]
+            for message in messages:
+                await outbox.send(message)
+            return messages, [await asyncio.wait_for(inbox.recv(), 5) for _ in messages]
+        finally:
+            outbox.close()
+            inbox.close()
+
+    sent, received = asyncio.run(run())
+    assert received == sent
+
+
+def test_close_stops_the_thread_and_unbinds_the_address():
+    async def run():
+        inbox = LinkInbox("127.0.0.1")
+        outbox = LinkOutbox(inbox.address)
+        await outbox.send(b"one")
+        assert await asyncio.wait_for(inbox.recv(), 5) == b"one"  # the thread runs
+        thread = inbox._reader._thread
+        inbox.close()
+        outbox.close()
+        return inbox.address, thread.is_alive()
+
+    address, alive = asyncio.run(run())
+    assert not alive
+    assert_bindable_soon(address)  # the socket closed, zmq's I/O thread unbinds it just after
+

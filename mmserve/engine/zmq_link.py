@@ -1,16 +1,30 @@
-"""A ZMQ PULL socket read by a thread of its own, handed to an asyncio loop in one wake-up per burst
-(an ingress replica's output inbox).
+"""The ZMQ links between an engine client and its callers (ingress replicas): an inbox each side binds, outboxes the other side connects.
 
-pyzmq's asyncio socket costs, per message, a future, an `EVENTS` query and a re-arm of the loop's
-reader; a thread blocked in `recv` costs the receive and, per burst, one `call_soon_threadsafe`
-(`bench/inbox_bench.py`: 165 µs of CPU per message against 89 at one message every 2 ms, an engine
-step at one stream). A loop that lags takes every waiting message at once.
+A Ray call or stream item costs a few hundred microseconds of CPU on each side; at low concurrency
+every engine step is one item per caller, i.e. one per token. A ZMQ message costs tens. So what
+flows per request or per engine step travels over ZMQ, each way as single-frame messages from
+`LinkOutbox`es (PUSH) to one `LinkInbox` (PULL, bound on its node's address):
+- outputs: each caller binds an inbox and names it when it subscribes to an engine client, which
+  sends it `mmserve.protocol.OutputBatch`es; the Ray subscription stays open beside the link as
+  its control channel (it names the engine-client replica sending, and its end says that replica
+  is gone);
+- requests: each engine client binds an inbox too, named in the subscription's first batch, where
+  its callers send `mmserve.protocol.LinkRequest`s (text requests and aborts); the answers come back
+  in the output batches.
 
-The thread owns the socket from its start (a ZMQ socket is used by one thread) and blocks with no
-timeout, so a silent socket costs nothing. `close` stops it at once: the socket is also bound to an
-`inproc://` address of its own, where `close` sends a random stop token; the thread, on receiving
-it, closes the socket and ends, and `close` waits for that (zmq's I/O thread then unbinds the
-socket's addresses, within milliseconds).
+Neither side knows what the bytes hold. Nothing is dropped: no high-water mark on either side (the
+reader reads as fast as its loop runs; a message waits in memory rather than vanish).
+
+An inbox is read by a thread of its own with blocking receives (`SocketReader`), not through pyzmq's
+asyncio socket, whose every message costs a future, an `EVENTS` query and a re-arm of the loop's
+reader: a thread blocked in `recv` costs the receive and, per burst, one `call_soon_threadsafe`
+(`bench/inbox_bench.py`: 89 µs of CPU per message against 165 at one message every 2 ms, an engine
+step at one stream), and a loop that lags takes every waiting message at once. The thread owns the
+socket from its start (a ZMQ socket is used by one thread) and blocks with no timeout, so a silent
+socket costs nothing. `close` stops it at once: the socket is also bound to an `inproc://` address
+of its own, where `close` sends a random stop token; the thread, on receiving it, closes the socket
+and ends, and `close` waits for that (zmq's I/O thread then unbinds the socket's addresses, within
+milliseconds).
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ import os
 import threading
 
 import zmq
+import zmq.asyncio
 
 # How long `close` waits for the thread to take the stop token and close the socket.
 CLOSE_WAIT_S = 2.0
@@ -110,3 +125,41 @@ class SocketReader:
         self._wake_pending = False
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+
+class LinkInbox:
+    """The receiving end: bound once, for its owner's life; every sender connects to it.
+    Read on one event loop (the first `recv`'s)."""
+
+    def __init__(self, host: str, *, name: str = "link-inbox") -> None:
+        # A sync socket on the asyncio context's own (no second zmq I/O thread in the process).
+        socket = zmq.Context.shadow(zmq.asyncio.Context.instance().underlying).socket(zmq.PULL)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.LINGER, 0)
+        port = socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._reader = SocketReader(socket, name=name)
+
+    async def recv(self) -> bytes:
+        """The next message, in arrival order (waits for one)."""
+        return await self._reader.recv()
+
+    def close(self) -> None:
+        """Stop reading and close the socket, which zmq then unbinds."""
+        self._reader.close()
+
+
+class LinkOutbox:
+    """A sending end, connected to one inbox."""
+
+    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None) -> None:
+        self._socket = (ctx or zmq.asyncio.Context.instance()).socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address)
+
+    async def send(self, message: bytes) -> None:
+        await self._socket.send(message, copy=len(message) < 65536)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
