@@ -62,7 +62,7 @@ def request(number: int) -> EngineCoreRequest:
 async def relay(channel: CallerChannel, outbox: LinkOutbox) -> None:
     """`EngineClientDeployment.subscribe`'s loop after its first item."""
     while True:
-        outputs, failures = await channel.take()
+        outputs, failures, _ = await channel.take()
         await outbox.send(encode(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures])))
 
 

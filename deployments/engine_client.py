@@ -9,8 +9,11 @@ The replica binds the engine's ZMQ sockets and stays bound for its whole life, s
 connect whenever it is ready. An engine that dies is replaced in place: a new engine client
 waits on the same addresses (`EngineClientServer`); `check_health` fails only if that stops.
 
-Requests arrive one Ray call each (`add`); their outputs leave on one stream per ingress replica
-(`subscribe`), merged per engine step, never one Ray item per token per request.
+Each ingress replica holds one Ray call open here (`subscribe`); beside it, over ZMQ, its text
+requests and aborts arrive at this replica's inbox, and their answers and outputs leave for the
+caller's inbox, merged per engine step (`mmserve.engine.zmq_link`): Ray carries nothing per text
+request and nothing per token. An image request is one Ray call (`add`): its pixels come from the
+preprocessor by reference, resolved here by Ray.
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ from typing import Any
 import msgspec
 from ray import serve
 
+from mmserve.engine import EngineDeadError, EngineNotReadyError
 from mmserve.engine.outputs import CallerChannel
 from mmserve.engine.frame_diagnostics import FrameTrace
-from mmserve.engine.zmq_link import LinkOutbox
+from mmserve.engine.zmq_link import LinkInbox, LinkOutbox
 from mmserve.multimodal import ImagesRefused, ProcessedImages
-from mmserve.protocol import NOT_THIS_ENGINE, Admission, EngineInfo, OutputBatch, RequestFailed, RequestRefused, encode
+from mmserve.protocol import (
+    NOT_THIS_ENGINE, AbortRequests, AddAnswer, AddFailed, Admission, EngineInfo, OutputBatch, RequestFailed,
+    RequestRefused, TextRequest, decode_link_request, encode,
+)
 from mmserve.wire import EngineCoreRequest
 
 from .caller_watch import CallerWatch
@@ -59,6 +66,13 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def _node_ip() -> str:
+    """Where callers reach this replica (they may run on other nodes)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 @serve.deployment(
     num_replicas=1,
     # Requests are cheap here (bytes in, tokens out); the engine's own max_num_seqs and the
@@ -74,22 +88,26 @@ def _node_id() -> str:
 )
 class EngineClientDeployment:
     """Each ingress replica (a caller) holds one long-lived `subscribe` call here, beside which the
-    outputs of all its requests travel over ZMQ, merged per engine step (`CallerChannel`); `add`
-    sends one request and answers at once. So Ray carries one call per request, and no item per
-    token (see `mmserve.protocol`)."""
+    outputs of all its requests travel over ZMQ, merged per engine step (`CallerChannel`), and its
+    text requests arrive over ZMQ (`_read_link`); `add` sends one image request and answers at once
+    (see `mmserve.protocol`)."""
 
     async def __init__(self, settings: EngineClientSettings) -> None:
         log_package_to_replica()
         self.server = EngineClientServer(settings)
         self.replica, self.engine_id = _replica_ids()
-        self._channels: dict[str, CallerChannel] = {}
+        self._channels: dict[str, CallerChannel[AddAnswer]] = {}
         self._subscribers: dict[str, asyncio.Task[Any]] = {}
         self._callers = CallerWatch(self._caller_gone)
         await self.server.start()
         loop = asyncio.get_running_loop()
         RayletWatch(lambda: self._node_lost_from_thread(loop)).start()
+        self._inbox = LinkInbox(_node_ip(), name="engine-client-inbox")
+        self._link_tasks: set[asyncio.Task[None]] = set()
+        self._link_requests = 0
+        self._link_reader = loop.create_task(self._read_link(), name="engine-client-inbox")
 
-    def _channel(self, caller: str) -> CallerChannel:
+    def _channel(self, caller: str) -> CallerChannel[AddAnswer]:
         channel = self._channels.get(caller)
         if channel is None:
             channel = self._channels[caller] = CallerChannel()
@@ -112,7 +130,7 @@ class EngineClientDeployment:
         # Each caller's `subscribe` takes its failures and hands them to ZMQ, whose I/O thread then
         # writes them out: both before the process goes.
         for _ in range(50):  # (a caller with no stream open takes nothing: the thread's exit ends this)
-            if not any(channel.outputs or channel.failures for channel in self._channels.values()):
+            if not any(channel.pending for channel in self._channels.values()):
                 break
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
@@ -139,10 +157,10 @@ class EngineClientDeployment:
         self._subscribers[caller] = task
         outbox = LinkOutbox(inbox)
         try:
-            yield encode(OutputBatch(replica=self.replica))
+            yield encode(OutputBatch(replica=self.replica, requests_address=self._inbox.address))
             while True:
-                outputs, failures = await channel.take()
-                await outbox.send(encode(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures])))
+                outputs, failures, answers = await channel.take()
+                await outbox.send(encode(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures], answers)))
         finally:
             outbox.close()
             if self._subscribers.get(caller) is task:
@@ -153,24 +171,30 @@ class EngineClientDeployment:
         self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None = None, caller: str = "",
         engine: str = "",
     ) -> bytes:
-        """Send one request; its outputs travel on the caller's `subscribe` stream. Answers an
-        encoded `Admission` (with this replica's name, which the caller checks its stream against)."""
+        """Send one request (an image request; text requests come over the link, `_read_link`); its
+        outputs travel on the caller's `subscribe` stream. Answers an encoded `Admission` (with this
+        replica's name, which the caller checks its stream against)."""
         if not self._mine(engine):
             return encode(Admission(refused=RequestRefused(NOT_THIS_ENGINE, f"engine {engine} is gone (this is {self.engine_id})")))
+        return encode(await self._add(request, images, caller))
+
+    async def _add(self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None, caller: str) -> Admission:
         channel = self._channel(caller)
-        if not channel.track(request.request_id):
-            return encode(Admission(refused=RequestRefused("cancelled", "the caller aborted the request before it arrived")))
+        request_id = request.request_id
+        if not channel.track(request_id):
+            return Admission(refused=RequestRefused("cancelled", "the caller aborted the request before it arrived"))
         try:
             admission = await self.server.add(request, images, channel)
         except BaseException:
-            channel.untrack(request.request_id)
+            channel.untrack(request_id)
             raise
         if admission.refused is not None:
-            channel.untrack(request.request_id)
-        elif self._channels.get(caller) is not channel:
-            # The caller went away while this request was being sent.
-            await self.server.client.abort_quietly([request.request_id])
-        return encode(msgspec.structs.replace(admission, replica=self.replica))
+            channel.untrack(request_id)
+        elif self._channels.get(caller) is not channel or request_id not in channel.request_ids:
+            # The caller went away, or aborted the request, while it was being sent (an abort of a
+            # request that finished meanwhile is a no-op).
+            await self.server.client.abort_quietly([request_id])
+        return msgspec.structs.replace(admission, replica=self.replica)
 
     async def abort(self, request_ids: list[str], caller: str = "", engine: str = "") -> None:
         """The caller gave these requests up (its client left, a stop string matched)."""
@@ -179,6 +203,42 @@ class EngineClientDeployment:
         if (channel := self._channels.get(caller)) is not None:
             channel.aborted(request_ids)
         await self.server.client.abort_quietly(request_ids)
+
+    async def _read_link(self) -> None:
+        """Text requests and aborts from the callers, over ZMQ (`mmserve.protocol.LinkRequest`),
+        each handled as its own task, in arrival order: an abort that follows its request finds it
+        tracked (or makes the request abort itself once sent, see `_add`)."""
+        while True:
+            data = await self._inbox.recv()
+            try:
+                message = decode_link_request(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("engine client: an unreadable message on its request link (%d bytes), ignored: %s", len(data), exc)
+                continue
+            if isinstance(message, TextRequest):
+                self._link_requests += 1
+                task = asyncio.get_running_loop().create_task(self._add_from_link(message))
+            else:
+                task = asyncio.get_running_loop().create_task(self._abort_from_link(message))
+            self._link_tasks.add(task)
+            task.add_done_callback(self._link_tasks.discard)
+
+    async def _add_from_link(self, message: TextRequest) -> None:
+        request_id = message.request.request_id
+        try:
+            answer = AddAnswer(request_id, admission=await self._add(message.request, None, message.caller))
+        except EngineDeadError as exc:
+            answer = AddAnswer(request_id, failed=AddFailed("dead", str(exc)))
+        except EngineNotReadyError as exc:
+            answer = AddAnswer(request_id, failed=AddFailed("not_ready", str(exc)))
+        except Exception as exc:
+            logger.exception("engine client: request %s from the link failed", request_id)
+            answer = AddAnswer(request_id, failed=AddFailed("internal", f"{type(exc).__name__}: {exc}"))
+        if (channel := self._channels.get(message.caller)) is not None:
+            channel.answer(answer)
+
+    async def _abort_from_link(self, message: AbortRequests) -> None:
+        await self.abort(message.request_ids, message.caller)
 
     async def _drop_caller(self, caller: str) -> None:
         self._callers.unwatch(caller)
@@ -194,7 +254,9 @@ class EngineClientDeployment:
 
     async def info(self, engine: str = "") -> EngineInfo | None:
         """This engine's state; None if the call was meant for another (stopped) pool replica."""
-        return await self.server.info() if self._mine(engine) else None
+        if not self._mine(engine):
+            return None
+        return msgspec.structs.replace(await self.server.info(), link_requests=self._link_requests)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (engine pools, `deployments/engine_pool_autoscaling.py`):
@@ -228,4 +290,6 @@ class EngineClientDeployment:
         return os.getpid()
 
     async def __del__(self) -> None:
+        self._link_reader.cancel()
+        self._inbox.close()
         await self.server.shutdown()

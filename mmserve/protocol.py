@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .wire import EngineCoreOutput
+from .wire import EngineCoreOutput, EngineCoreRequest
 
 
 class PromptAccepted(msgspec.Struct, frozen=True):
@@ -61,14 +61,53 @@ class RequestFailed(msgspec.Struct, frozen=True):
     message: str
 
 
+class AddFailed(msgspec.Struct, frozen=True):
+    """A request over the link that the engine client could not take for its engine's reasons,
+    which `add` over Ray would have raised: `kind` "dead" (`EngineDeadError`), "not_ready"
+    (`EngineNotReadyError`), or "internal" (anything else, logged there)."""
+
+    kind: str
+    message: str
+
+
+class AddAnswer(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The engine client's answer to a `TextRequest`: its `Admission`, or why it has none."""
+
+    request_id: str
+    admission: Admission | None = None
+    failed: AddFailed | None = None
+
+
 class OutputBatch(msgspec.Struct, frozen=True, omit_defaults=True):
     """One message of an ingress replica's output stream from one engine client: its requests'
-    outputs in arrival order, and its requests that failed. The `subscribe` call's one item is
-    empty except for `replica`, which names the engine-client replica sending the stream."""
+    outputs in arrival order, its requests that failed, and the answers to its text requests. The
+    `subscribe` call's one item is empty except for `replica`, which names the engine-client replica
+    sending the stream, and `requests_address`, that replica's inbox for `LinkRequest`s."""
 
     outputs: list[EngineCoreOutput] = []
     failures: list[RequestFailed] = []
+    answers: list[AddAnswer] = []
     replica: str | None = None
+    requests_address: str | None = None
+
+
+class TextRequest(msgspec.Struct, frozen=True, tag="add"):
+    """`add` over the link, for a request without images: answered by an `AddAnswer` in the
+    caller's output batches."""
+
+    caller: str
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
+    """The caller gave these requests up (its client left, a stop string matched)."""
+
+    caller: str
+    request_ids: list[str]
+
+
+# What an ingress replica sends an engine client's inbox.
+LinkRequest = TextRequest | AbortRequests
 
 
 class EngineEvent(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -114,15 +153,22 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # Images sent by hash only (the engine held them); requests resent after an engine cache miss.
     mm_items_skipped: int = 0
     mm_cache_miss_resends: int = 0
+    # Requests that arrived over the link (`TextRequest`), not as a Ray call, since this replica started.
+    link_requests: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
 _admission_decoder = msgspec.msgpack.Decoder(Admission)
 _batch_decoder = msgspec.msgpack.Decoder(OutputBatch)
+_link_request_decoder: msgspec.msgpack.Decoder[LinkRequest] = msgspec.msgpack.Decoder(LinkRequest)  # type: ignore[arg-type]
 
 
-def encode(message: Admission | OutputBatch) -> bytes:
+def encode(message: Admission | OutputBatch | TextRequest | AbortRequests) -> bytes:
     return _encoder.encode(message)
+
+
+def decode_link_request(data: bytes) -> LinkRequest:
+    return _link_request_decoder.decode(data)
 
 
 def decode_admission(data: bytes) -> Admission:

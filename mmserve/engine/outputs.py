@@ -2,8 +2,8 @@
 
 `EngineClient.add` hands each request's outputs to an `OutputSink`. `RequestStream` is the sink of
 one request read as an iterator (`EngineClient.generate`). `CallerChannel` is the sink of every
-request one caller (an ingress replica) sent: outputs accumulate in it until the caller takes
-them all at once, so a caller that lags is handed one merged batch instead of one item per
+request one caller (an ingress replica) sent: outputs (and the answers to the caller's requests,
+opaque here) accumulate in it until the caller takes them all at once, so a caller that lags is handed one merged batch instead of one item per
 output and request, and the cost of moving outputs to a caller grows with the engine's steps, not
 with its tokens. This is vLLM's `RequestOutputCollector` idea (merge while the consumer lags,
 never on a timer), applied per caller instead of per request.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from typing import Protocol
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from ..wire import EngineCoreOutput
 from .errors import EngineError
@@ -62,13 +62,27 @@ class RequestStream:
             item = self.queue.get_nowait()
 
 
-class CallerChannel:
-    """The outputs and failures of one caller's requests, waiting for the caller to take them."""
+AnswerT = TypeVar("AnswerT")
+
+
+class Taken(NamedTuple, Generic[AnswerT]):
+    """What a caller takes from its channel at once."""
+
+    outputs: list[EngineCoreOutput]
+    # (request id, why it failed) of requests that ended without finishing.
+    failures: list[tuple[str, str]]
+    answers: list[AnswerT]
+
+
+class CallerChannel(Generic[AnswerT]):
+    """The outputs and failures of one caller's requests, and the answers to them, waiting for the
+    caller to take them."""
 
     def __init__(self) -> None:
         self.outputs: list[EngineCoreOutput] = []
         # (request id, why it failed) of requests that ended without finishing.
         self.failures: list[tuple[str, str]] = []
+        self.answers: list[AnswerT] = []
         # Requests of this caller the engine holds (sent and not finished).
         self.request_ids: set[str] = set()
         self._aborted: OrderedDict[str, None] = OrderedDict()
@@ -84,6 +98,12 @@ class CallerChannel:
     def fail(self, request_id: str, error: EngineError) -> None:
         self.failures.append((request_id, str(error)))
         self.request_ids.discard(request_id)
+        self._ready.set()
+
+    def answer(self, answer: AnswerT) -> None:
+        """Hand the caller the answer to one of its requests (before that request's outputs, or
+        after: the caller matches them by request id)."""
+        self.answers.append(answer)
         self._ready.set()
 
     def track(self, request_id: str) -> bool:
@@ -107,11 +127,16 @@ class CallerChannel:
                 if len(self._aborted) > ABORTED_IDS_REMEMBERED:
                     self._aborted.popitem(last=False)
 
-    async def take(self) -> tuple[list[EngineCoreOutput], list[tuple[str, str]]]:
+    @property
+    def pending(self) -> bool:
+        """Whether anything waits for the caller."""
+        return bool(self.outputs or self.failures or self.answers)
+
+    async def take(self) -> Taken[AnswerT]:
         """Everything that arrived since the last call (waits until something has)."""
-        while not self.outputs and not self.failures:
+        while not self.pending:
             self._ready.clear()
             await self._ready.wait()
-        outputs, self.outputs = self.outputs, []
-        failures, self.failures = self.failures, []
-        return outputs, failures
+        taken = Taken(self.outputs, self.failures, self.answers)
+        self.outputs, self.failures, self.answers = [], [], []
+        return taken

@@ -161,5 +161,10 @@ class LinkOutbox:
     async def send(self, message: bytes) -> None:
         await self._socket.send(message, copy=len(message) < 65536)
 
+    def send_nowait(self, message: bytes) -> None:
+        """Hand `message` to zmq now, without the asyncio socket's future (it never waits: no
+        high-water mark)."""
+        zmq.Socket.send(self._socket, message, zmq.NOBLOCK, copy=len(message) < 65536)
+
     def close(self) -> None:
         self._socket.close(linger=0)

@@ -3,7 +3,8 @@
 An ingress replica receives the outputs of all its requests on one engine client as one stream of
 `OutputBatch`es (`mmserve.protocol`). `OutputDemux` hands each output to its request's
 `RequestOutputs`, which merges while its consumer lags (vLLM's `RequestOutputCollector`): a slow
-consumer takes everything that arrived at once, never one queue item per token.
+consumer takes everything that arrived at once, never one queue item per token. The answers to
+text requests sent over the link come in the same batches, and go to their requests the same way.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from mmserve.engine import EngineDeadError
-from mmserve.protocol import OutputBatch
+from mmserve.protocol import AddAnswer, OutputBatch
 from mmserve.wire import EngineCoreOutput
 
 from .engine_router import ReplicaLostError
@@ -20,14 +21,33 @@ from .engine_router import ReplicaLostError
 class RequestOutputs:
     """One request's outputs not yet taken by its consumer; or the error that ended it."""
 
-    __slots__ = ("outputs", "error", "replica", "_ready")
+    __slots__ = ("outputs", "error", "replica", "answer", "awaiting_answer", "_ready")
 
     def __init__(self) -> None:
         self.outputs: list[EngineCoreOutput] = []
         self.error: BaseException | None = None
         # The engine-client replica holding the request (set once it admitted it).
         self.replica: str | None = None
+        # Sent over the link: its answer comes in a batch (`answered`), or the stream ends first.
+        self.awaiting_answer = False
+        self.answer: AddAnswer | None = None
         self._ready = asyncio.Event()
+
+    def answered(self, answer: AddAnswer) -> None:
+        self.answer = answer
+        self._ready.set()
+
+    async def next_answer(self) -> AddAnswer:
+        """The engine client's answer to this request sent over the link (waits for it); raises
+        the error that ended the stream first."""
+        while self.answer is None and self.error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        self.awaiting_answer = False
+        if self.answer is not None:
+            return self.answer
+        assert self.error is not None
+        raise self.error
 
     def put(self, output: EngineCoreOutput) -> None:
         self.outputs.append(output)
@@ -77,6 +97,9 @@ class OutputDemux:
         for failure in batch.failures:
             if (outputs := requests.get(failure.request_id)) is not None:
                 outputs.fail(EngineDeadError(failure.message))
+        for answer in batch.answers:
+            if (outputs := requests.get(answer.request_id)) is not None:
+                outputs.answered(answer)
 
     def connected(self, replica: str) -> None:
         """A stream from `replica` began: requests admitted by any other replica will never hear
@@ -87,8 +110,9 @@ class OutputDemux:
                 outputs.fail(ReplicaLostError("the engine client serving this request was replaced"))
 
     def lost(self, error: BaseException) -> None:
-        """The stream ended: every admitted request fails (a pending `add` learns its fate itself)."""
+        """The stream ended: every admitted request fails, and every request sent over the link
+        whose answer had not come (a pending `add` over Ray learns its fate itself)."""
         self.replica = None
         for outputs in self._requests.values():
-            if outputs.replica is not None:
+            if outputs.replica is not None or outputs.awaiting_answer:
                 outputs.fail(error)

@@ -36,7 +36,7 @@ def test_serves_reports_and_refuses_past_its_in_flight_limit():
             admission = await server.add(_request("a"), None, channel)
             outputs = []
             while not (outputs and outputs[-1].finished):
-                taken, failures = await asyncio.wait_for(channel.take(), 30)
+                taken, failures, _ = await asyncio.wait_for(channel.take(), 30)
                 assert not failures
                 outputs += taken
             tokens = [t for o in outputs for t in o.new_token_ids]
@@ -106,7 +106,7 @@ def test_a_lost_node_fails_every_request_with_its_reason_and_stops_the_builtin_e
             builtin = server.builtin
             assert builtin is not None and builtin.is_alive()
             await server.node_lost("the engine's node left the Ray cluster")
-            _, failures = await asyncio.wait_for(channel.take(), 5)
+            _, failures, _ = await asyncio.wait_for(channel.take(), 5)
             return failures, builtin.is_alive(), server.unrecoverable
         finally:
             await server.shutdown()

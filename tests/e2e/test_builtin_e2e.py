@@ -150,3 +150,27 @@ def test_client_disconnect_mid_stream_aborts_engine_request(builtin_app):
     # Leaving the block closed the connection mid-stream.
     assert _wait_engine_idle(builtin_app, 5.0) < 5.0
     assert builtin_app.engine_info().num_in_flight == 0
+
+
+def test_text_requests_travel_over_the_link_and_image_requests_as_ray_calls(builtin_app):
+    """Once an ingress replica's subscription has named the engine client's inbox, its text
+    requests go there over ZMQ, not as Ray calls (`mmserve.protocol`); image requests stay Ray calls
+    (their pixels come by reference through the object store)."""
+    client = builtin_app.openai()
+    client.chat.completions.create(model="mmserve-builtin", messages=CHAT, max_tokens=4)  # the subscription is open
+    before = builtin_app.engine_info()
+    for stream in (False, True, False, True):
+        response = client.chat.completions.create(model="mmserve-builtin", messages=CHAT, max_tokens=8, stream=stream)
+        if stream:
+            assert "".join(chunk.choices[0].delta.content or "" for chunk in response if chunk.choices)
+        else:
+            assert response.choices[0].message.content
+    after_text = builtin_app.engine_info()
+    image = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+    client.chat.completions.create(model="mmserve-builtin", max_tokens=4, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": image}}]}])
+    after_image = builtin_app.engine_info()
+    assert after_text.requests_sent - before.requests_sent == 4
+    assert after_text.link_requests - before.link_requests == 4
+    assert after_image.requests_sent - after_text.requests_sent == 1
+    assert after_image.link_requests == after_text.link_requests

@@ -155,3 +155,18 @@ def test_close_stops_the_thread_and_unbinds_the_address():
     assert not alive
     assert_bindable_soon(address)  # the socket closed, zmq's I/O thread unbinds it just after
 
+
+def test_send_nowait_keeps_order_with_awaited_sends():
+    async def run():
+        inbox = LinkInbox("127.0.0.1")
+        outbox = LinkOutbox(inbox.address)
+        try:
+            outbox.send_nowait(b"first")
+            await outbox.send(b"second")
+            outbox.send_nowait(b"y" * 100_000)
+            return [await asyncio.wait_for(inbox.recv(), 5) for _ in range(3)]
+        finally:
+            outbox.close()
+            inbox.close()
+
+    assert asyncio.run(run()) == [b"first", b"second", b"y" * 100_000]

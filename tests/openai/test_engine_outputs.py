@@ -1,4 +1,4 @@
-"""The ingress end of an engine client's output stream: outputs to their requests, merged while a consumer lags; lost streams fail what they carried."""
+"""The ingress end of an engine client's output stream: outputs and answers to their requests, merged while a consumer lags; lost streams fail what they carried; the link's messages."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import pytest
 from mmserve.engine import EngineDeadError
 from mmserve.openai.engine_outputs import OutputDemux
 from mmserve.openai.engine_router import ReplicaLostError
-from mmserve.protocol import OutputBatch, RequestFailed
-from mmserve.wire import EngineCoreOutput, FinishReason
+from mmserve.protocol import (
+    AbortRequests, AddAnswer, Admission, OutputBatch, RequestFailed, TextRequest, decode_link_request, encode,
+)
+from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams, StructuredOutputsParams
 
 
 def test_batches_are_split_by_request_and_merged_for_a_lagging_consumer():
@@ -49,3 +51,54 @@ def test_a_lost_stream_fails_admitted_requests_and_a_new_replica_fails_the_old_o
     still_pending, old_error, new_error = asyncio.run(run())
     assert still_pending, "a request whose add is under way learns its fate from the add"
     assert isinstance(old_error, ReplicaLostError) and new_error is None
+
+
+def test_an_answer_over_the_link_reaches_its_request_even_after_its_outputs():
+    async def run():
+        demux = OutputDemux()
+        request = demux.register("a")
+        request.awaiting_answer = True
+        answer = AddAnswer("a", admission=Admission(replica="r1"))
+        waiting = asyncio.create_task(request.next_answer())
+        demux.dispatch(OutputBatch([EngineCoreOutput("a", [1])]))  # the outputs first: the answer is still awaited
+        await asyncio.sleep(0.01)
+        pending = not waiting.done()
+        demux.dispatch(OutputBatch(answers=[answer, AddAnswer("unknown", admission=Admission())]))
+        got = await asyncio.wait_for(waiting, 1)
+        return pending, got, await request.next(), request.awaiting_answer
+
+    pending, got, outputs, still_awaiting = asyncio.run(run())
+    assert pending, "outputs do not stand for the answer"
+    assert got == AddAnswer("a", admission=Admission(replica="r1"))
+    assert [o.new_token_ids for o in outputs] == [[1]], "outputs that came first are kept"
+    assert not still_awaiting
+
+
+def test_a_lost_stream_fails_requests_whose_answer_over_the_link_had_not_come():
+    async def run():
+        demux = OutputDemux()
+        over_link, over_ray = demux.register("l"), demux.register("r")
+        over_link.awaiting_answer = True
+        demux.lost(ReplicaLostError("stream broke"))
+        with pytest.raises(ReplicaLostError):
+            await asyncio.wait_for(over_link.next_answer(), 1)
+        return over_ray.error
+
+    assert asyncio.run(run()) is None, "an add over Ray learns its fate from its call"
+
+
+def test_link_messages_survive_their_encoding():
+    """A text request with every kind of field set comes out of the engine client's decoder as it went in."""
+    params = SamplingParams(
+        n=2, temperature=0.7, top_p=0.9, top_k=5, seed=7, stop=["\n\n", "END"], stop_token_ids=[3], max_tokens=12,
+        logprobs=2, logit_bias={5: -1.5, 9: 2.0}, allowed_token_ids=[1, 2, 3], bad_words=["x"],
+        structured_outputs=StructuredOutputsParams(json='{"type": "object"}'),
+    )
+    request = EngineCoreRequest(
+        "req-1", [1, 2, 3, 40000], None, params, None, 1733480000.123456, None, "salt", None,
+        client_index=0, priority=3, reasoning_ended=False, reasoning_parser_kwargs={"chat_template_kwargs": {"thinking": True}},
+    )
+    sent = TextRequest("caller-replica", request)
+    assert decode_link_request(encode(sent)) == sent
+    abort = AbortRequests("caller-replica", ["req-1", "req-2"])
+    assert decode_link_request(encode(abort)) == abort
