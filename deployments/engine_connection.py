@@ -212,12 +212,15 @@ class HandleEngineCall:
             self._held = True  # until the answer says otherwise
             self._outputs.awaiting_answer = True
             try:
-                return _admission(await connection.unless_gone(self._outputs.next_answer()))
+                answer = await connection.unless_gone(self._outputs.next_answer())
             except BaseException:
                 # Its answer never came (the stream ended, the engine is gone, or this caller was
                 # cancelled): `cancel` aborts it, in case the engine client took it.
                 self._outputs.awaiting_answer = False
                 raise
+            if answer.failed is not None:
+                self._held = False  # the engine client did not take it
+            return _admission(answer)
         self._add = _own_request(connection.handle.add, self.request, self.images, connection.caller, engine=connection.engine)
         self._held = True  # until the answer says otherwise
         try:
