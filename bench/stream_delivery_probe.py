@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,8 @@ import frontend_bench as fb  # noqa: E402  (puts the repository on sys.path)
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
+
+from tests.support.haproxy import haproxy_config, healthy_ingress_replica_url  # noqa: E402
 
 GATEWAY_MARKS = ("ServeReplica:", "haproxy")
 
@@ -79,12 +80,9 @@ def cpu_and_wait_ms(procs: list[psutil.Process]) -> dict[str, tuple[float, float
 def ingress_replica_url(gateway: list[psutil.Process], haproxy_port: int) -> str:
     """An ingress replica's own HTTP address, from the config HAProxy was started with."""
     for proc in gateway:
-        config = re.search(r"haproxy .*-f (\S+)", " ".join(proc.cmdline()))
-        if config is None:
-            continue
-        for address in re.findall(r"^\s*server \S+ (\d+\.\d+\.\d+\.\d+:\d+)", Path(config.group(1)).read_text(), re.M):
-            if not address.endswith(f":{haproxy_port}") and httpx.get(f"http://{address}/health", timeout=5).status_code == 200:
-                return f"http://{address}"
+        config = haproxy_config(" ".join(proc.cmdline()))
+        if config is not None and (url := healthy_ingress_replica_url(config, haproxy_port)) is not None:
+            return url
     raise LookupError("no ingress replica found in HAProxy's config")
 
 

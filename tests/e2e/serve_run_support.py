@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from tests.support.haproxy import haproxy_config, healthy_ingress_replica_url
 from tests.support.serve_process import readme_ray_settings, sigint_as_default
 from tests.support.vllm_engines import free_tcp_port
 
@@ -101,17 +101,11 @@ class ServeRun:
         ps = subprocess.run(["ps", "-ww", "-eo", "pid=,sid=,args="], capture_output=True, text=True, check=True).stdout
         for line in ps.splitlines():
             pid, sid, args = line.split(None, 2)
-            config = re.search(r"haproxy .*-f (\S+)", args)
+            config = haproxy_config(args)
             if int(sid) != self.proc.pid or config is None:
                 continue
-            for address in re.findall(r"^\s*server \S+ (\d+\.\d+\.\d+\.\d+:\d+)", Path(config.group(1)).read_text(), re.M):
-                if address.endswith(f":{self.port}"):
-                    continue
-                try:
-                    if httpx.get(f"http://{address}/health", timeout=5).status_code == 200:
-                        return f"http://{address}"
-                except httpx.HTTPError:
-                    continue
+            if (url := healthy_ingress_replica_url(config, self.port)) is not None:
+                return url
         raise LookupError(f"no ingress replica found behind this run's HAProxy:\n{ps}")
 
     def stop(self) -> None:
