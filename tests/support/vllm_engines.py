@@ -42,14 +42,24 @@ from .vllm_zygote import ZygoteChild, shared_zygote
 _QUIET_PORTS = range(20000, 32000)
 
 
+# Ports this process handed out: several asked for at once (a Ray node's agent ports) are all free
+# until something binds them, so the same one could be drawn twice (seen: `ray start` refused a
+# metrics port equal to its runtime-env agent's).
+_HANDED_OUT: set[int] = set()
+
+
 def free_tcp_port(host: str = "127.0.0.1") -> int:
-    """A free port that neither the kernel nor Ray will hand out by itself."""
-    for port in random.sample(_QUIET_PORTS, 200):
+    """A free port that neither the kernel nor Ray will hand out by itself, and that this process
+    has not handed out before."""
+    for port in random.sample(_QUIET_PORTS, min(200, len(_QUIET_PORTS))):
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise RuntimeError(f"no free port in {_QUIET_PORTS}")
 
