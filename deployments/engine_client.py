@@ -81,9 +81,9 @@ def _node_ip() -> str:
     ray_actor_options={"num_cpus": 0},
     health_check_period_s=2,
     health_check_timeout_s=10,
-    # Its calls come from the ingress, one or two per HTTP request, which the ingress's own access
-    # line already records: a line per call here would be written, shipped to the driver and
-    # printed for every request.
+    # Its calls come from the ingress (an image request's `add`; text requests come over the link),
+    # which the ingress's own access line already records: a line per call here would be written,
+    # shipped to the driver and printed for every request.
     logging_config={"enable_access_log": False},
 )
 class EngineClientDeployment:
