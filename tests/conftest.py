@@ -72,6 +72,7 @@ OWN_CLUSTER_TESTS = {
     "tests/e2e/test_multinode_colocation.py",
     "tests/e2e/test_ray_start_engine_pool.py",
     "tests/e2e/test_serve_run_logs.py",
+    "tests/e2e/test_serve_run_ingress_env.py",
 }
 # Own-cluster modules too heavy to share the machine (a multi-node cluster of real vLLM engines beside
 # the whole suite overloads 2 cores: its nodes missed their health checks and were declared dead):

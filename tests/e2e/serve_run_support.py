@@ -29,7 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class ServeRun:
-    def __init__(self, args: dict[str, Any], *, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, args: dict[str, Any], *, env: dict[str, str] | None = None, deployments: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="i8sr", dir="/tmp"))  # short: Ray's socket paths
         self.port = free_tcp_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -38,6 +40,8 @@ class ServeRun:
             "http_options": {"host": "127.0.0.1", "port": self.port},
             "applications": [{"name": "mmserve", "import_path": "serve_app:build_app", "route_prefix": "/", "args": args}],
         }
+        if deployments is not None:  # a Serve config's per-deployment options, over the application's
+            config["applications"][0]["deployments"] = deployments
         self.config_path = self.tmp / "serve.json"
         self.config_path.write_text(json.dumps(config))
         self.log_path = self.tmp / "serve_run.log"

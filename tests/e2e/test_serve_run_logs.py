@@ -216,3 +216,10 @@ def test_disconnects_and_an_engine_death_leave_one_info_line_each_and_no_traceba
     # The engine's death: said once, with its reason, by its engine client.
     deaths = [line for line in serve_run.replica_logs("EngineClient0").splitlines() if "engine declared dead" in line]
     assert len(deaths) == 1, "\n".join(deaths)  # whole lines: pytest would cut them short
+
+
+
+def test_an_ingress_with_the_applications_own_options_does_not_warn_of_its_runtime_env(serve_run):
+    """The counterpart of `test_serve_run_ingress_env.py`: no warning when nothing replaced the
+    Ingress's runtime_env."""
+    assert "this ingress replica runs without" not in serve_run.replica_logs("Ingress")

@@ -1,0 +1,21 @@
+"""A Serve config that sets the Ingress's `ray_actor_options` drops the runtime_env the application
+sets (`deployments/ingress.py`, `INGRESS_REPLICA_ENV`): under a real `serve run`, the replica says so
+in its log, naming the variable."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from .serve_run_support import ServeRun
+
+pytestmark = pytest.mark.serve
+
+
+def test_an_ingress_whose_runtime_env_a_serve_config_replaced_says_so():
+    overridden = [{"name": "Ingress", "ray_actor_options": {"num_cpus": 0.5}}]
+    with ServeRun({"builtin_engine": {"step_interval_ms": 2.0}}, deployments=overridden) as run:
+        ok = httpx.post(run.base_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        logs = run.replica_logs("Ingress")
+    assert "this ingress replica runs without RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0" in logs, logs[-3000:]
