@@ -35,7 +35,7 @@ from mmserve.engine.zmq_link import LinkInbox, LinkOutbox
 from mmserve.multimodal import ImagesRefused, ProcessedImages
 from mmserve.protocol import (
     NOT_THIS_ENGINE, AbortRequests, AddAnswer, AddFailed, Admission, EngineInfo, OutputBatch, RequestFailed,
-    RequestRefused, TextRequest, decode_link_request, encode,
+    RequestRefused, TextRequest, decode_link_request, encode, unreadable_request_sender,
 )
 from mmserve.wire import EngineCoreRequest
 
@@ -213,7 +213,9 @@ class EngineClientDeployment:
             try:
                 message = decode_link_request(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                logger.warning("engine client: an unreadable message on its request link (%d bytes), ignored: %s", len(data), exc)
+                logger.warning("engine client: an unreadable message on its request link (%d bytes): %s", len(data), exc)
+                if (sender := unreadable_request_sender(data)) is not None and (channel := self._channels.get(sender[0])) is not None:
+                    channel.answer(AddAnswer(sender[1], failed=AddFailed("internal", f"the engine client could not read the request: {exc}")))
                 continue
             if isinstance(message, TextRequest):
                 self._link_requests += 1

@@ -171,6 +171,23 @@ def decode_link_request(data: bytes) -> LinkRequest:
     return _link_request_decoder.decode(data)
 
 
+def unreadable_request_sender(data: bytes) -> tuple[str, str] | None:
+    """(caller, request id) of a `TextRequest` that `decode_link_request` could not read (a caller
+    of another version, say), so that it can be answered instead of left waiting; None if even
+    those cannot be found."""
+    try:
+        message = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(message, dict) or message.get("type") != "add":
+        return None
+    caller, request = message.get("caller"), message.get("request")
+    request_id = request[0] if isinstance(request, list) and request else None
+    if isinstance(caller, str) and isinstance(request_id, str):
+        return caller, request_id
+    return None
+
+
 def decode_admission(data: bytes) -> Admission:
     return _admission_decoder.decode(data)
 

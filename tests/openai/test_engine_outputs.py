@@ -1,4 +1,4 @@
-"""The ingress end of an engine client's output stream: outputs and answers to their requests, merged while a consumer lags; lost streams fail what they carried; the link's messages."""
+"""The ingress end of an engine client's output stream: outputs and answers to their requests, merged while a consumer lags; lost streams fail what they carried."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import pytest
 from mmserve.engine import EngineDeadError
 from mmserve.openai.engine_outputs import OutputDemux
 from mmserve.openai.engine_router import ReplicaLostError
-from mmserve.protocol import (
-    AbortRequests, AddAnswer, Admission, OutputBatch, RequestFailed, TextRequest, decode_link_request, encode,
-)
-from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams, StructuredOutputsParams
+from mmserve.protocol import AddAnswer, Admission, OutputBatch, RequestFailed
+from mmserve.wire import EngineCoreOutput, FinishReason
 
 
 def test_batches_are_split_by_request_and_merged_for_a_lagging_consumer():
@@ -86,19 +84,3 @@ def test_a_lost_stream_fails_requests_whose_answer_over_the_link_had_not_come():
 
     assert asyncio.run(run()) is None, "an add over Ray learns its fate from its call"
 
-
-def test_link_messages_survive_their_encoding():
-    """A text request with every kind of field set comes out of the engine client's decoder as it went in."""
-    params = SamplingParams(
-        n=2, temperature=0.7, top_p=0.9, top_k=5, seed=7, stop=["\n\n", "END"], stop_token_ids=[3], max_tokens=12,
-        logprobs=2, logit_bias={5: -1.5, 9: 2.0}, allowed_token_ids=[1, 2, 3], bad_words=["x"],
-        structured_outputs=StructuredOutputsParams(json='{"type": "object"}'),
-    )
-    request = EngineCoreRequest(
-        "req-1", [1, 2, 3, 40000], None, params, None, 1733480000.123456, None, "salt", None,
-        client_index=0, priority=3, reasoning_ended=False, reasoning_parser_kwargs={"chat_template_kwargs": {"thinking": True}},
-    )
-    sent = TextRequest("caller-replica", request)
-    assert decode_link_request(encode(sent)) == sent
-    abort = AbortRequests("caller-replica", ["req-1", "req-2"])
-    assert decode_link_request(encode(abort)) == abort
