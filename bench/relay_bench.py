@@ -5,7 +5,7 @@ passing each engine step's outputs on to an ingress replica.
 
 One process holds what an EngineClient replica runs on the output path (`EngineClient` reading the
 engine's output socket, a `CallerChannel` per caller, the `subscribe` loop of
-`deployments/engine_client.py` sending `OutputBatch`es over an `LinkOutbox`), on uvloop as Ray's
+`deployments/engine_client.py` sending `OutputBatch`es over a `LinkOutbox`), on uvloop as Ray's
 workers run it, and nothing else: no Ray, no Serve. A built-in engine subprocess (2 ms steps) serves
 streamed 64-token requests (`ignore_eos`) at the given concurrency; the caller's `LinkInbox` is read
 in a subprocess of its own, so its CPU is not counted. Prints this process's CPU time (all threads,

@@ -42,6 +42,7 @@ from mmserve.wire import EngineCoreRequest
 from .caller_watch import CallerWatch
 from .engine_client_server import EngineClientServer, EngineClientSettings
 from .engine_pool_autoscaling import ENGINE_KV_CACHE_USAGE_METRIC, ENGINE_REQUESTS_METRIC
+from .ray_node import node_ip
 from .raylet_watch import RayletWatch
 from .replica_logs import log_package_to_replica
 
@@ -65,12 +66,6 @@ def _node_id() -> str:
 
     return ray.get_runtime_context().get_node_id()
 
-
-def _node_ip() -> str:
-    """Where callers reach this replica (they may run on other nodes)."""
-    import ray
-
-    return ray.util.get_node_ip_address()
 
 
 @serve.deployment(
@@ -102,7 +97,7 @@ class EngineClientDeployment:
         await self.server.start()
         loop = asyncio.get_running_loop()
         RayletWatch(lambda: self._node_lost_from_thread(loop)).start()
-        self._inbox = LinkInbox(_node_ip(), name="engine-client-inbox")
+        self._inbox = LinkInbox(node_ip(), name="engine-client-inbox")
         self._link_tasks: set[asyncio.Task[None]] = set()
         self._link_requests = 0
         self._link_reader = loop.create_task(self._read_link(), name="engine-client-inbox")

@@ -28,6 +28,8 @@ from mmserve.protocol import (
 )
 from mmserve.wire import EngineCoreRequest
 
+from .ray_node import node_ip
+
 logger = logging.getLogger("ray.serve")
 
 # After the output stream broke: wait this long before subscribing again (the engine client's
@@ -121,7 +123,7 @@ class HandleEngineConnection:
         arrive over ZMQ at this connection's inbox, while the `subscribe` call beside it says which
         engine-client replica sends them, and by ending, that it is gone; then the requests it
         carried fail and this subscribes again."""
-        inbox = LinkInbox(_node_ip())
+        inbox = LinkInbox(node_ip())
         receiver = asyncio.get_running_loop().create_task(self._receive(inbox), name="engine-output-inbox")
         try:
             while True:
@@ -211,13 +213,10 @@ class HandleEngineCall:
         if self.images is None and self._outputs is not None and connection.send(self.request):
             self._held = True  # until the answer says otherwise
             self._outputs.awaiting_answer = True
-            try:
-                answer = await connection.unless_gone(self._outputs.next_answer())
-            except BaseException:
-                # Its answer never came (the stream ended, the engine is gone, or this caller was
-                # cancelled): `cancel` aborts it, in case the engine client took it.
-                self._outputs.awaiting_answer = False
-                raise
+            # If its answer never comes (the stream ended, the engine is gone, or this caller was
+            # cancelled), this raises with `_held` still set: `cancel` aborts it, in case the engine
+            # client took it.
+            answer = await connection.unless_gone(self._outputs.next_answer())
             if answer.failed is not None:
                 self._held = False  # the engine client did not take it
             return _admission(answer)
@@ -283,12 +282,6 @@ def _own_request(method: Any, *args: Any, **kwargs: Any) -> DeploymentResponse:
     engines' states, the children of `n` > 1) would be handed each other's replicas."""
     return contextvars.Context().run(method.remote, *args, **kwargs)
 
-
-def _node_ip() -> str:
-    """Where engine clients reach this replica (they may run on other nodes)."""
-    import ray
-
-    return ray.util.get_node_ip_address()
 
 
 def _describe(exc: BaseException) -> str:
