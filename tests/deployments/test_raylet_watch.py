@@ -19,8 +19,10 @@ import os, sys, time
 sys.path.insert(0, sys.argv[2])
 from deployments.raylet_watch import RayletWatch, _process_name
 def lost():
-    with open(sys.argv[1], "w") as f:
+    # Written whole, then renamed: the test reads the file as soon as it exists.
+    with open(sys.argv[1] + ".part", "w") as f:
         f.write(f"{time.time()} {os.getppid()}")
+    os.replace(sys.argv[1] + ".part", sys.argv[1])
     os._exit(0)
 started = RayletWatch(lost, interval_s=0.1, parent_name=_process_name(os.getppid())).start()
 print("watching" if started else "not started", flush=True)
