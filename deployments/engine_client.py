@@ -9,11 +9,13 @@ The replica binds the engine's ZMQ sockets and stays bound for its whole life, s
 connect whenever it is ready. An engine that dies is replaced in place: a new engine client
 waits on the same addresses (`EngineClientServer`); `check_health` fails only if that stops.
 
-Each ingress replica holds one Ray call open here (`subscribe`); beside it, over ZMQ, its text
+Each ingress replica holds one Ray call open here (`subscribe`); beside it, over ZMQ, its
 requests and aborts arrive at this replica's inbox, and their answers and outputs leave for the
-caller's inbox, merged per engine step (`mmserve.engine.zmq_link`): Ray carries nothing per text
-request and nothing per token. An image request is one Ray call (`add`): its pixels come from the
-preprocessor by reference, resolved here by Ray.
+caller's inbox, merged per engine step (`mmserve.engine.zmq_link`): Ray carries nothing from the
+ingress per request and nothing per token. For an image request this replica calls the
+preprocessor the request names; the pixels come back by reference, read here zero-copy from Ray's
+object store. (A request sent as a Ray call, `add`, brings the preprocessor's response with it,
+resolved here by Ray.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -34,14 +36,15 @@ from mmserve.engine.frame_diagnostics import FrameTrace
 from mmserve.engine.zmq_link import LinkInbox, LinkOutbox
 from mmserve.multimodal import ImagesRefused, ProcessedImages
 from mmserve.protocol import (
-    NOT_THIS_ENGINE, AbortRequests, AddAnswer, AddFailed, Admission, EngineInfo, OutputBatch, RequestFailed,
-    RequestRefused, TextRequest, decode_link_request, encode, unreadable_request_sender,
+    NOT_THIS_ENGINE, AbortRequests, AddAnswer, AddFailed, Admission, EngineInfo, ImageRequest, OutputBatch,
+    RequestFailed, RequestRefused, TextRequest, decode_link_request, encode, unreadable_request_sender,
 )
 from mmserve.wire import EngineCoreRequest
 
 from .caller_watch import CallerWatch
 from .engine_client_server import EngineClientServer, EngineClientSettings
 from .engine_pool_autoscaling import ENGINE_KV_CACHE_USAGE_METRIC, ENGINE_REQUESTS_METRIC
+from .preprocessor_calls import PreprocessorCalls
 from .ray_node import node_ip
 from .raylet_watch import RayletWatch
 from .replica_logs import log_package_to_replica
@@ -76,7 +79,7 @@ def _node_id() -> str:
     ray_actor_options={"num_cpus": 0},
     health_check_period_s=2,
     health_check_timeout_s=10,
-    # Its calls come from the ingress (an image request's `add`; text requests come over the link),
+    # Its calls come from the ingress (`subscribe`, and `add` before the link is open),
     # which the ingress's own access line already records: a line per call here would be written,
     # shipped to the driver and printed for every request.
     logging_config={"enable_access_log": False},
@@ -84,8 +87,8 @@ def _node_id() -> str:
 class EngineClientDeployment:
     """Each ingress replica (a caller) holds one long-lived `subscribe` call here, beside which the
     outputs of all its requests travel over ZMQ, merged per engine step (`CallerChannel`), and its
-    text requests arrive over ZMQ (`_read_link`); `add` sends one image request and answers at once
-    (see `mmserve.protocol`)."""
+    requests arrive over ZMQ (`_read_link`); `add` sends one request that came as a Ray call and
+    answers at once (see `mmserve.protocol`)."""
 
     async def __init__(self, settings: EngineClientSettings) -> None:
         log_package_to_replica()
@@ -100,6 +103,8 @@ class EngineClientDeployment:
         self._inbox = LinkInbox(node_ip(), name="engine-client-inbox")
         self._link_tasks: set[asyncio.Task[None]] = set()
         self._link_requests = 0
+        self._link_image_requests = 0
+        self._preprocessors = PreprocessorCalls()
         self._link_reader = loop.create_task(self._read_link(), name="engine-client-inbox")
 
     def _channel(self, caller: str) -> CallerChannel[AddAnswer]:
@@ -152,7 +157,7 @@ class EngineClientDeployment:
         self._subscribers[caller] = task
         outbox = LinkOutbox(inbox)
         try:
-            yield encode(OutputBatch(replica=self.replica, requests_address=self._inbox.address))
+            yield encode(OutputBatch(replica=self.replica, requests_address=self._inbox.address, takes_images=True))
             while True:
                 outputs, failures, answers = await channel.take()
                 await outbox.send(encode(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures], answers)))
@@ -166,19 +171,29 @@ class EngineClientDeployment:
         self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None = None, caller: str = "",
         engine: str = "",
     ) -> bytes:
-        """Send one request (an image request; text requests come over the link, `_read_link`); its
-        outputs travel on the caller's `subscribe` stream. Answers an encoded `Admission` (with this
+        """Send one request that came as a Ray call (requests come over the link once it is open,
+        `_read_link`); its outputs travel on the caller's `subscribe` stream. Answers an encoded `Admission` (with this
         replica's name, which the caller checks its stream against)."""
         if not self._mine(engine):
             return encode(Admission(refused=RequestRefused(NOT_THIS_ENGINE, f"engine {engine} is gone (this is {self.engine_id})")))
         return encode(await self._add(request, images, caller))
 
-    async def _add(self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None, caller: str) -> Admission:
+    async def _add(
+        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None, caller: str,
+        preprocess: Callable[[], Awaitable[ProcessedImages | ImagesRefused]] | None = None,
+    ) -> Admission:
+        """With `preprocess`, the images are processed first (the request counts as the caller's
+        meanwhile: an abort then keeps it from the engine)."""
         channel = self._channel(caller)
         request_id = request.request_id
         if not channel.track(request_id):
             return Admission(refused=RequestRefused("cancelled", "the caller aborted the request before it arrived"))
         try:
+            if preprocess is not None:
+                images = await preprocess()
+                if self._channels.get(caller) is not channel or request_id not in channel.request_ids:
+                    channel.untrack(request_id)
+                    return Admission(refused=RequestRefused("cancelled", "the caller aborted the request while its images were processed"))
             admission = await self.server.add(request, images, channel)
         except BaseException:
             channel.untrack(request_id)
@@ -200,7 +215,7 @@ class EngineClientDeployment:
         await self.server.client.abort_quietly(request_ids)
 
     async def _read_link(self) -> None:
-        """Text requests and aborts from the callers, over ZMQ (`mmserve.protocol.LinkRequest`),
+        """Requests and aborts from the callers, over ZMQ (`mmserve.protocol.LinkRequest`),
         each handled as its own task, in arrival order: an abort that follows its request finds it
         tracked (or makes the request abort itself once sent, see `_add`)."""
         while True:
@@ -212,18 +227,22 @@ class EngineClientDeployment:
                 if (sender := unreadable_request_sender(data)) is not None and (channel := self._channels.get(sender[0])) is not None:
                     channel.answer(AddAnswer(sender[1], failed=AddFailed("internal", f"the engine client could not read the request: {exc}")))
                 continue
-            if isinstance(message, TextRequest):
-                self._link_requests += 1
-                task = asyncio.get_running_loop().create_task(self._add_from_link(message))
-            else:
+            if isinstance(message, AbortRequests):
                 task = asyncio.get_running_loop().create_task(self._abort_from_link(message))
+            else:
+                self._link_requests += 1
+                self._link_image_requests += isinstance(message, ImageRequest)
+                task = asyncio.get_running_loop().create_task(self._add_from_link(message))
             self._link_tasks.add(task)
             task.add_done_callback(self._link_tasks.discard)
 
-    async def _add_from_link(self, message: TextRequest) -> None:
+    async def _add_from_link(self, message: TextRequest | ImageRequest) -> None:
         request_id = message.request.request_id
+        preprocess = None
+        if isinstance(message, ImageRequest):
+            preprocess = lambda: self._preprocessors.process(message.images, message.preprocessor)  # noqa: E731
         try:
-            answer = AddAnswer(request_id, admission=await self._add(message.request, None, message.caller))
+            answer = AddAnswer(request_id, admission=await self._add(message.request, None, message.caller, preprocess))
         except EngineDeadError as exc:
             answer = AddAnswer(request_id, failed=AddFailed("dead", str(exc)))
         except EngineNotReadyError as exc:
@@ -253,7 +272,9 @@ class EngineClientDeployment:
         """This engine's state; None if the call was meant for another (stopped) pool replica."""
         if not self._mine(engine):
             return None
-        return msgspec.structs.replace(await self.server.info(), link_requests=self._link_requests)
+        return msgspec.structs.replace(
+            await self.server.info(), link_requests=self._link_requests, link_image_requests=self._link_image_requests
+        )
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (engine pools, `deployments/engine_pool_autoscaling.py`):

@@ -1,4 +1,4 @@
-"""One engine client as an ingress replica reaches it: a Serve handle for its Ray calls, ZMQ links for its text requests and outputs, Ray's failures typed.
+"""One engine client as an ingress replica reaches it: a Serve handle for its Ray calls, ZMQ links for its requests and outputs, Ray's failures typed.
 
 `HandleEngineConnection` adapts an engine client's `DeploymentHandle` (and the links its
 subscription opens, `mmserve.engine.zmq_link`) to `mmserve.openai.engine_router.EngineConnection`;
@@ -21,13 +21,14 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from mmserve.engine import EngineDeadError, EngineNotReadyError
 from mmserve.engine.zmq_link import LinkInbox, LinkOutbox
 from mmserve.openai.engine_outputs import OutputDemux, RequestOutputs
-from mmserve.openai.engine_router import ReplicaLostError
+from mmserve.openai.engine_router import PendingImages, ReplicaLostError
 from mmserve.protocol import (
-    NOT_THIS_ENGINE, AbortRequests, AddAnswer, Admission, EngineEvent, EngineInfo, GatewayBusyError, TextRequest,
-    decode_admission, decode_output_batch, encode,
+    NOT_THIS_ENGINE, AbortRequests, AddAnswer, Admission, EngineEvent, EngineInfo, GatewayBusyError, ImageRequest,
+    TextRequest, decode_admission, decode_output_batch, encode,
 )
 from mmserve.wire import EngineCoreRequest
 
+from .ray_errors import describe, innermost_cause
 from .ray_node import node_ip
 
 logger = logging.getLogger("ray.serve")
@@ -40,11 +41,12 @@ RESUBSCRIBE_DELAY_S = 0.2
 class HandleEngineConnection:
     """One engine client through its deployment's handle: one long-lived `subscribe` call, beside
     which outputs and answers come back over ZMQ to this replica's inbox, read by a background task
-    and handed to each request by `OutputDemux`; text requests and aborts go over ZMQ to the engine
-    client's inbox, named by the subscription (`link`), image requests as one `add` call each (see
-    `mmserve.protocol`). Until the subscription has named the engine client's inbox, everything goes
-    as Ray calls. For an engine pool, `engine` names the replica every call is for
-    (`deployments/engine_pool.py`)."""
+    and handed to each request by `OutputDemux`; requests and aborts go over ZMQ to the engine
+    client's inbox, named by the subscription (`link`), image requests naming the preprocessor for
+    the engine client to call (see `mmserve.protocol`). Until the subscription has named the engine
+    client's inbox, everything goes as Ray calls (`add`, with the preprocessor's response started
+    here), as do image requests to an engine client that does not take them over the link. For an
+    engine pool, `engine` names the replica every call is for (`deployments/engine_pool.py`)."""
 
     def __init__(
         self, handle: DeploymentHandle, caller: str | None, engine: str = "", gone: asyncio.Event | None = None
@@ -61,6 +63,8 @@ class HandleEngineConnection:
         self.demux = OutputDemux()
         # To the engine-client replica whose stream is being read (None: none yet, or it ended).
         self.link: LinkOutbox | None = None
+        # Whether that engine client takes image requests over the link (`OutputBatch.takes_images`).
+        self.link_takes_images = False
         self._reader: asyncio.Task[None] | None = None
         self._aborts: set[asyncio.Task[None]] = set()
 
@@ -85,7 +89,7 @@ class HandleEngineConnection:
             call.cancel()
             gone.cancel()
 
-    def generate(self, request: EngineCoreRequest, images: object | None) -> "HandleEngineCall":
+    def generate(self, request: EngineCoreRequest, images: PendingImages | None) -> "HandleEngineCall":
         if self._reader is None or self._reader.done():
             # Outside the request's context: Serve cancels the handle calls a request made when
             # that request is cancelled (its client left), and this stream serves every request.
@@ -94,11 +98,17 @@ class HandleEngineConnection:
             )
         return HandleEngineCall(self, request, images)
 
-    def send(self, request: EngineCoreRequest) -> bool:
-        """Send a text request over the link; False if there is none (then `add` it over Ray)."""
+    def send(self, request: EngineCoreRequest, images: PendingImages | None) -> bool:
+        """Send a request over the link; False if there is none, or it does not take these images
+        (then `add` it over Ray)."""
         if self.link is None:
             return False
-        self.link.send_nowait(encode(TextRequest(self.caller, request)))
+        if images is None:
+            self.link.send_nowait(encode(TextRequest(self.caller, request)))
+            return True
+        if not self.link_takes_images or (for_link := images.for_link()) is None:
+            return False
+        self.link.send_nowait(encode(ImageRequest(self.caller, request, *for_link)))
         return True
 
     def abort(self, request_id: str) -> None:
@@ -136,6 +146,7 @@ class HandleEngineConnection:
                         if first.requests_address is not None:
                             self._close_link()
                             self.link = LinkOutbox(first.requests_address)
+                            self.link_takes_images = first.takes_images
                     error = ReplicaLostError("the engine client ended its output stream")
                 except asyncio.CancelledError:
                     # Closed: end the call itself too, or the engine client would count it as
@@ -143,7 +154,7 @@ class HandleEngineConnection:
                     subscription.cancel()
                     raise
                 except Exception as exc:
-                    error = ReplicaLostError(_describe(_unwrap(exc)))
+                    error = ReplicaLostError(describe(innermost_cause(exc)))
                 self._close_link()
                 if len(self.demux):
                     logger.warning("engine client output stream lost: %s", error)
@@ -174,7 +185,7 @@ class HandleEngineConnection:
 class HandleEngineCall:
     """One request through a `HandleEngineConnection`; Ray's failures leave it typed (see `EngineConnection`)."""
 
-    def __init__(self, connection: HandleEngineConnection, request: EngineCoreRequest, images: object | None) -> None:
+    def __init__(self, connection: HandleEngineConnection, request: EngineCoreRequest, images: PendingImages | None) -> None:
         self.connection = connection
         self.request = request
         self.images = images
@@ -210,7 +221,7 @@ class HandleEngineCall:
 
     async def _send_add(self) -> Admission:
         connection = self.connection
-        if self.images is None and self._outputs is not None and connection.send(self.request):
+        if self._outputs is not None and connection.send(self.request, self.images):
             self._held = True  # until the answer says otherwise
             self._outputs.awaiting_answer = True
             # If its answer never comes (the stream ended, the engine is gone, or this caller was
@@ -220,7 +231,8 @@ class HandleEngineCall:
             if answer.failed is not None:
                 self._held = False  # the engine client did not take it
             return _admission(answer)
-        self._add = _own_request(connection.handle.add, self.request, self.images, connection.caller, engine=connection.engine)
+        images = self.images.response() if self.images is not None else None
+        self._add = _own_request(connection.handle.add, self.request, images, connection.caller, engine=connection.engine)
         self._held = True  # until the answer says otherwise
         try:
             return decode_admission(await connection.unless_gone(self._add))
@@ -241,12 +253,12 @@ class HandleEngineCall:
         except Exception as exc:
             # Errors raised by a deployment this call depended on (the preprocessor) arrive
             # wrapped once per hop; hand the caller the original, typed error.
-            inner = _unwrap(exc)
+            inner = innermost_cause(exc)
             if isinstance(inner, BackPressureError):
                 raise GatewayBusyError("the image preprocessing queue is full; retry shortly") from None
             if not isinstance(inner, (RayError, RayServeException)):
                 raise inner from None
-            raise ReplicaLostError(_describe(inner)) from None
+            raise ReplicaLostError(describe(inner)) from None
 
     def cancel(self) -> None:
         """Give the request up: the engine client aborts it (or refuses its `add` if the abort
@@ -281,20 +293,3 @@ def _own_request(method: Any, *args: Any, **kwargs: Any) -> DeploymentResponse:
     call it chose it for: an engine pool's calls, each meant for its own replica, made at once (the
     engines' states, the children of `n` > 1) would be handed each other's replicas."""
     return contextvars.Context().run(method.remote, *args, **kwargs)
-
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """The innermost cause of a chain of Ray task errors."""
-    seen = 0
-    while seen < 8:
-        cause = getattr(exc, "cause", None)
-        if not isinstance(cause, BaseException) or cause is exc:
-            break
-        exc, seen = cause, seen + 1
-    return exc

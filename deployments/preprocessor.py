@@ -1,10 +1,11 @@
 """Preprocessor deployment: the CPU-heavy image tier, autoscaled on its own, with its options beside it.
 
 Its return value (`ProcessedImages`, numpy arrays inside) is written once to the Ray object
-store; the ingress passes the response on to the engine client without awaiting it, so the
+store and read where it is sent to the engine, the engine client, which either called this
+replica itself or was handed the ingress's response unawaited (`preprocessor_calls.py`): the
 pixels go from this replica to the engine client's ZMQ socket with no further copy. (An answer
-under Ray's 100-KiB inline limit, a small image's, is returned inline to its owner, the ingress,
-instead: cheap at that size.)
+under Ray's 100-KiB inline limit, a small image's, is returned inline to the caller instead:
+cheap at that size.)
 """
 
 from __future__ import annotations

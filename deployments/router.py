@@ -12,17 +12,15 @@ import contextvars
 import logging
 from collections.abc import Mapping
 
-import msgspec
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.serve.handle import DeploymentHandle
 
-from mmserve.multimodal import ImageBatchRequest
 from mmserve.openai.engine_router import EngineConnection, EngineRouter, EngineSource, StaticEngines
 from mmserve.openai.settings import RoutingSettings
 
 from .engine_connection import HandleEngineConnection
 from .engine_pool_members import pool_members
-from .inline_args import cut_payloads
+from .preprocessor_calls import HandlePreprocessing
 
 logger = logging.getLogger("ray.serve")
 
@@ -136,20 +134,6 @@ async def _running_applications(prefix: str) -> set[str]:
         if status.name.startswith(prefix) and status.app_status.status in serving:
             names.add(status.name)
     return names
-
-
-class HandlePreprocessing:
-    def __init__(self, handle: DeploymentHandle) -> None:
-        self.handle = handle.options(_by_reference=True)  # its response is an argument of `add` (above)
-
-    def process(self, request: ImageBatchRequest) -> DeploymentResponse:
-        """Unawaited: Ray resolves it in the engine client, so the pixels never pass through the ingress.
-        Data URIs go inside the call, cut into pieces (`inline_args.py`), not through the object store."""
-        cut = cut_payloads(request.urls)
-        if cut is None:
-            return self.handle.process.remote(request)
-        counts, pieces = cut
-        return self.handle.process.remote(msgspec.structs.replace(request, urls=[]), counts, *pieces)
 
 
 def _replica_name() -> str | None:

@@ -1,17 +1,22 @@
-"""The gateway's own inter-tier protocol: what the engine-client deployment sends the ingress over Ray.
+"""The gateway's own inter-tier protocol: what an ingress replica and an engine client send each other.
 
-Not vLLM's wire (that is `mmserve/wire`, which mirrors vLLM only). Per request, one Ray call
-(`add`) answers with its `Admission`; the request's outputs do not travel on a stream of their
-own: each ingress replica subscribes once to each engine client, which then sends it
-`OutputBatch`es, the outputs of all that replica's requests since the previous batch, merged
-while the ingress lags, over ZMQ (`mmserve.engine.zmq_link`), not Ray. So Ray carries one call
-per request and nothing per token. Everything is msgpack-encoded.
+Not vLLM's wire (that is `mmserve/wire`, which mirrors vLLM only). Each ingress replica subscribes
+once to each engine client (one long-lived Ray call); beside it, over ZMQ
+(`mmserve.engine.zmq_link`), the replica sends its requests and aborts (`LinkRequest`) to the
+engine client's inbox, and the engine client sends back `OutputBatch`es: the answers to those
+requests and the outputs of all the replica's requests since the previous batch, merged while the
+ingress lags. An image request names the preprocessor, which the engine client calls itself, so
+the pixels come to it by reference (the Ray object store), never through the ingress or the link.
+So Ray carries no call from the ingress per request, and nothing per token. Until the link is open
+(and with engine clients of older versions), a request is one Ray call (`add`), answered by its
+`Admission`. Everything is msgpack-encoded.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from .multimodal.types import ImageBatchRequest
 from .wire import EngineCoreOutput, EngineCoreRequest
 
 
@@ -71,7 +76,7 @@ class AddFailed(msgspec.Struct, frozen=True):
 
 
 class AddAnswer(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The engine client's answer to a `TextRequest`: its `Admission`, or why it has none."""
+    """The engine client's answer to a `TextRequest` or `ImageRequest`: its `Admission`, or why it has none."""
 
     request_id: str
     admission: Admission | None = None
@@ -82,13 +87,16 @@ class OutputBatch(msgspec.Struct, frozen=True, omit_defaults=True):
     """One message of an ingress replica's output stream from one engine client: its requests'
     outputs in arrival order, its requests that failed, and the answers to its text requests. The
     `subscribe` call's one item is empty except for `replica`, which names the engine-client replica
-    sending the stream, and `requests_address`, that replica's inbox for `LinkRequest`s."""
+    sending the stream, `requests_address`, that replica's inbox for `LinkRequest`s, and
+    `takes_images`, whether that inbox takes `ImageRequest`s (engine clients of older versions
+    take text requests only)."""
 
     outputs: list[EngineCoreOutput] = []
     failures: list[RequestFailed] = []
     answers: list[AddAnswer] = []
     replica: str | None = None
     requests_address: str | None = None
+    takes_images: bool = False
 
 
 class TextRequest(msgspec.Struct, frozen=True, tag="add"):
@@ -99,6 +107,24 @@ class TextRequest(msgspec.Struct, frozen=True, tag="add"):
     request: EngineCoreRequest
 
 
+class PreprocessorName(msgspec.Struct, frozen=True):
+    """A preprocessor deployment, by its Serve application and deployment names."""
+
+    app: str
+    deployment: str
+
+
+class ImageRequest(msgspec.Struct, frozen=True, tag="add_images"):
+    """`add` over the link, for a request with images: the engine client has `preprocessor`
+    process `images` (the URLs, data URIs included: never pixels) and sends the request with the
+    result; answered by an `AddAnswer` in the caller's output batches."""
+
+    caller: str
+    request: EngineCoreRequest
+    images: ImageBatchRequest
+    preprocessor: PreprocessorName
+
+
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
     """The caller gave these requests up (its client left, a stop string matched)."""
 
@@ -107,7 +133,7 @@ class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
 
 
 # What an ingress replica sends an engine client's inbox.
-LinkRequest = TextRequest | AbortRequests
+LinkRequest = TextRequest | ImageRequest | AbortRequests
 
 
 class EngineEvent(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -153,8 +179,10 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # Images sent by hash only (the engine held them); requests resent after an engine cache miss.
     mm_items_skipped: int = 0
     mm_cache_miss_resends: int = 0
-    # Requests that arrived over the link (`TextRequest`), not as a Ray call, since this replica started.
+    # Requests that arrived over the link (`TextRequest`, `ImageRequest`), not as a Ray call, since
+    # this replica started; of them, with images.
     link_requests: int = 0
+    link_image_requests: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -163,7 +191,7 @@ _batch_decoder = msgspec.msgpack.Decoder(OutputBatch)
 _link_request_decoder: msgspec.msgpack.Decoder[LinkRequest] = msgspec.msgpack.Decoder(LinkRequest)  # type: ignore[arg-type]
 
 
-def encode(message: Admission | OutputBatch | TextRequest | AbortRequests) -> bytes:
+def encode(message: Admission | OutputBatch | LinkRequest) -> bytes:
     return _encoder.encode(message)
 
 
@@ -172,14 +200,14 @@ def decode_link_request(data: bytes) -> LinkRequest:
 
 
 def unreadable_request_sender(data: bytes) -> tuple[str, str] | None:
-    """(caller, request id) of a `TextRequest` that `decode_link_request` could not read (a caller
+    """(caller, request id) of a `TextRequest` or `ImageRequest` that `decode_link_request` could not read (a caller
     of another version, say), so that it can be answered instead of left waiting; None if even
     those cannot be found."""
     try:
         message = msgspec.msgpack.decode(data)
     except msgspec.DecodeError:
         return None
-    if not isinstance(message, dict) or message.get("type") != "add":
+    if not isinstance(message, dict) or message.get("type") not in ("add", "add_images"):
         return None
     caller, request = message.get("caller"), message.get("request")
     request_id = request[0] if isinstance(request, list) and request else None

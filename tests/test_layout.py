@@ -37,7 +37,8 @@ MMSERVE_DEPENDS_ON: dict[str, set[str]] = {
     "mmserve.model_files": {"mmserve.tokenizer_files"},
     "mmserve.fetch": set(),
     "mmserve.vision": set(),
-    "mmserve.protocol": {"mmserve.wire"},
+    # (The protocol carries image requests as the preprocessor takes them: `ImageBatchRequest`.)
+    "mmserve.protocol": {"mmserve.wire", "mmserve.multimodal"},
     "mmserve.engine": {"mmserve.wire"},
     "mmserve.text": {"mmserve.model_files", "mmserve.tokenizer_files"},
     "mmserve.multimodal": {"mmserve.wire", "mmserve.model_files", "mmserve.fetch", "mmserve.vision", "mmserve.text"},

@@ -5,7 +5,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from mmserve.protocol import AbortRequests, TextRequest, decode_link_request, encode, unreadable_request_sender
+from mmserve.multimodal import ImageBatchRequest
+from mmserve.multimodal.types import PixelMode
+from mmserve.protocol import (
+    AbortRequests, ImageRequest, PreprocessorName, TextRequest, decode_link_request, encode, unreadable_request_sender,
+)
 from mmserve.wire import EngineCoreRequest, SamplingParams, StructuredOutputsParams
 
 
@@ -24,6 +28,9 @@ def test_link_messages_survive_their_encoding():
     assert decode_link_request(encode(sent)) == sent
     abort = AbortRequests("caller-replica", ["req-1", "req-2"])
     assert decode_link_request(encode(abort)) == abort
+    images = ImageBatchRequest(["https://example.com/a.jpg", "data:image/png;base64,AAAA"], PixelMode.HOST_NORMALIZE, "float16")
+    with_images = ImageRequest("caller-replica", request, images, PreprocessorName("app", "Preprocessor"))
+    assert decode_link_request(encode(with_images)) == with_images
 
 
 def test_an_unreadable_text_request_still_names_who_waits_for_its_answer():
@@ -36,5 +43,9 @@ def test_an_unreadable_text_request_still_names_who_waits_for_its_answer():
     with pytest.raises(msgspec.ValidationError):
         decode_link_request(skewed)
     assert unreadable_request_sender(skewed) == ("caller-a", "req-9")
+    skewed_images = msgspec.msgpack.encode({"type": "add_images", "caller": "caller-a", "request": ["req-9"], "images": 3})
+    with pytest.raises(msgspec.ValidationError):
+        decode_link_request(skewed_images)
+    assert unreadable_request_sender(skewed_images) == ("caller-a", "req-9")
     assert unreadable_request_sender(encode(AbortRequests("caller-a", ["req-9"]))) is None
     assert unreadable_request_sender(b"\xc1 not msgpack") is None

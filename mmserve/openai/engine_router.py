@@ -33,7 +33,8 @@ from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
 from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused
 from mmserve.wire import EngineCoreRequest
 
-from .engine_affinity import AffinityKeys, AffinityTable, EngineId, affinity_keys, choose_engine, home_engine, image_key
+from .engine_affinity import AffinityKeys, AffinityTable, EngineId, affinity_keys, choose_engine, home_engine
+from .pending_images import PendingImages, Preprocessing
 from .settings import RoutingSettings
 
 logger = logging.getLogger("ray.serve")
@@ -55,8 +56,9 @@ class EngineRouting(Protocol):
 
     def generate(self, request: EngineCoreRequest, images: object | None = None) -> AsyncIterator[EngineEvent]: ...
 
-    def preprocess(self, request: ImageBatchRequest) -> object:
-        """Start preprocessing; returns an opaque handle to pass to `generate` (never awaited here)."""
+    def preprocess(self, request: ImageBatchRequest, shared: bool = False) -> object:
+        """The request's images, to pass to `generate` (never resolved here); `shared`: by `n` > 1
+        children of one request."""
         ...
 
 
@@ -86,33 +88,11 @@ class EngineConnection(Protocol):
         """The engine's state; None: the engine is gone (a pool replica that was stopped)."""
         ...
 
-    def generate(self, request: EngineCoreRequest, images: object | None) -> EngineCall: ...
+    def generate(self, request: EngineCoreRequest, images: PendingImages | None) -> EngineCall: ...
 
     def close(self) -> None:
         """Stop reading the engine client's outputs (the replica is shutting down)."""
         ...
-
-
-class Preprocessing(Protocol):
-    def process(self, request: ImageBatchRequest) -> object:
-        """Start preprocessing `request`; an opaque response the engine client resolves."""
-        ...
-
-
-class PendingImages:
-    """Preprocessing in progress: its response, and the request, to start it again if the
-    replica doing it dies. Once an engine client has the pixels (`delivered()`), the request
-    (its URLs: up to 8 data URIs of 27 MB) is dropped: nothing will need it again."""
-
-    __slots__ = ("image_keys", "request", "response")
-
-    def __init__(self, request: ImageBatchRequest, response: object) -> None:
-        self.request: ImageBatchRequest | None = request
-        self.response = response
-        self.image_keys = tuple(image_key(url) for url in request.urls)  # routing affinity
-
-    def delivered(self) -> None:
-        self.request = None
 
 
 class EngineSource(Protocol):
@@ -287,12 +267,13 @@ class EngineRouter:
             dtype=info.dtype or "bfloat16",
         )
 
-    def preprocess(self, request: ImageBatchRequest) -> PendingImages:
-        """Start preprocessing. The response is handed to the engine client unawaited: it is
-        resolved there, so the pixels never pass through this process."""
+    def preprocess(self, request: ImageBatchRequest, shared: bool = False) -> PendingImages:
+        """The request's images, processed for the engine client that takes the request: by that
+        engine client's own call to the preprocessor, or by a call from here whose response it
+        resolves (see `PendingImages`); either way the pixels never pass through this process."""
         if self._preprocessor is None:
             raise InvalidRequestError("this application has no image preprocessor", "messages")
-        return PendingImages(request, self._preprocessor.process(request))
+        return PendingImages(request, self._preprocessor, shared)
 
     async def generate(self, request: EngineCoreRequest, images: PendingImages | None = None) -> AsyncIterator[EngineEvent]:
         """Stream the request from the engine chosen by load and affinity (see the module's doc).
@@ -314,7 +295,7 @@ class EngineRouter:
             tried.add(name)
             engine = self._engines[name]
             engine.in_flight += 1
-            call = engine.connection.generate(request, images.response if images is not None else None)
+            call = engine.connection.generate(request, images)
             finished = produced = False
             retry: BaseException | None = None
             try:
@@ -338,9 +319,9 @@ class EngineRouter:
                 self._refreshed_at = 0.0
                 if produced:
                     raise EngineDeadError(f"the engine client serving this request failed: {exc}") from None
-                if images is not None and images.request is not None and not reprocessed and self._preprocessor is not None:
+                if images is not None and images.request is not None and not reprocessed:
                     logger.warning("request %s: retrying after %s", request.request_id, exc)
-                    images = PendingImages(images.request, self._preprocessor.process(images.request))
+                    images = images.again()
                     reprocessed = True
                     tried.discard(name)
                     retry = exc

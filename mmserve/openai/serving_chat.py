@@ -81,7 +81,8 @@ class ChatServing:
             prepared.images = context.router.preprocess(
                 ImageBatchRequest(
                     urls=image_urls, pixel_mode=PixelMode(context.settings.pixel_mode), engine_dtype=prepared.limits.dtype
-                )
+                ),
+                shared=prepared.n > 1,
             )
         # The router holds the URLs until the preprocessor has them; this frame lives as long
         # as the response.

@@ -152,10 +152,11 @@ def test_client_disconnect_mid_stream_aborts_engine_request(builtin_app):
     assert builtin_app.engine_info().num_in_flight == 0
 
 
-def test_text_requests_travel_over_the_link_and_image_requests_as_ray_calls(builtin_app):
-    """Once an ingress replica's subscription has named the engine client's inbox, its text
-    requests go there over ZMQ, not as Ray calls (`mmserve.protocol`); image requests stay Ray calls
-    (their pixels come by reference through the object store)."""
+def test_text_and_image_requests_travel_over_the_link(builtin_app):
+    """Once an ingress replica's subscription has named the engine client's inbox, its requests go
+    there over ZMQ, not as Ray calls (`mmserve.protocol`): text requests, and image requests, whose
+    images the engine client then has the preprocessor process; a request with images and `n` > 1
+    stays one Ray call per child, its children sharing the preprocessing the ingress started."""
     client = builtin_app.openai()
     client.chat.completions.create(model="mmserve-builtin", messages=CHAT, max_tokens=4)  # the subscription is open
     before = builtin_app.engine_info()
@@ -167,10 +168,22 @@ def test_text_requests_travel_over_the_link_and_image_requests_as_ray_calls(buil
             assert response.choices[0].message.content
     after_text = builtin_app.engine_info()
     image = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
-    client.chat.completions.create(model="mmserve-builtin", max_tokens=4, messages=[{"role": "user", "content": [
-        {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": image}}]}])
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": image}}]}]
+    for stream in (False, True):
+        response = client.chat.completions.create(model="mmserve-builtin", max_tokens=4, messages=messages, stream=stream)
+        if stream:
+            assert [chunk for chunk in response if chunk.choices and chunk.choices[0].finish_reason]
+        else:
+            assert response.choices[0].message.content
     after_image = builtin_app.engine_info()
+    shared = client.chat.completions.create(model="mmserve-builtin", max_tokens=4, messages=messages, n=2)
+    assert len(shared.choices) == 2
+    after_shared = builtin_app.engine_info()
     assert after_text.requests_sent - before.requests_sent == 4
     assert after_text.link_requests - before.link_requests == 4
-    assert after_image.requests_sent - after_text.requests_sent == 1
-    assert after_image.link_requests == after_text.link_requests
+    assert after_text.link_image_requests == before.link_image_requests
+    assert after_image.requests_sent - after_text.requests_sent == 2
+    assert after_image.link_requests - after_text.link_requests == 2
+    assert after_image.link_image_requests - after_text.link_image_requests == 2
+    assert after_shared.requests_sent - after_image.requests_sent == 2
+    assert after_shared.link_requests == after_image.link_requests

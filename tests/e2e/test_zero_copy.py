@@ -2,8 +2,9 @@
 
 The preprocessor's return value is written once into Ray's object store. The engine client
 must hand ZMQ that very memory (a read-only mapping of the object store's shared-memory
-file), and the ingress, which passes the preprocessing response along unawaited, must never
-map the object store at all.
+file), and the ingress must never map the object store at all: on either path, the engine
+client calling the preprocessor itself (a request over the link) or resolving the response of
+the ingress's call (a request as Ray calls: `n` > 1).
 """
 
 from __future__ import annotations
@@ -44,27 +45,33 @@ def zerocopy_app(serve_instance):
     serve.delete("zerocopy", _blocking=True)
 
 
-def test_engine_client_sends_object_store_memory_and_ingress_never_maps_it(zerocopy_app):
+@pytest.mark.parametrize("n", [1, 2], ids=["over-the-link", "as-ray-calls"])
+def test_engine_client_sends_object_store_memory_and_ingress_never_maps_it(zerocopy_app, n):
     from ray import serve
 
     app = zerocopy_app
+    app.openai().chat.completions.create(  # the ingress's link to the engine client is open
+        model="mmserve-builtin", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+    )
+    before = app.engine_info()
     family = load_image_family(BUILTIN_MODEL_DIR)
     width, height = 640, 480
-    rows = family.num_tokens(width, height) * 4  # merge 2x2: four patches per token
     ingress = serve.get_deployment_handle("Ingress", app_name="zerocopy")
     ingress_pid = ingress.pid.remote().result(timeout_s=30)
     # Pages of the store the ingress process touched before (a reused worker, other requests).
     touched_before = resident_file_pages(ingress_pid, "/dev/shm/plasma")
     resp = app.openai().chat.completions.create(
         model="mmserve-builtin",
-        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_uri(width, height)}}]}],
-        max_tokens=8,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_uri(width + n, height)}}]}],
+        max_tokens=8, n=n,
     )
     assert resp.choices[0].message.content
+    assert app.engine_info().link_image_requests - before.link_image_requests == (1 if n == 1 else 0)
+    rows = family.num_tokens(width + n, height) * 4
 
     engine_client = app.engine_handle()
     traces = engine_client.frame_traces.remote().result(timeout_s=30)
-    pixel_frames = [t for t in traces if t.nbytes == rows * 1176]
+    pixel_frames = [t for t in traces if t.nbytes == rows * 1176]  # merge 2x2: four patches per token
     assert pixel_frames, traces
     trace = pixel_frames[-1]
     # ZMQ's frame is the array itself, not a copy of it ...
@@ -110,7 +117,7 @@ def test_a_data_uri_over_rays_inline_limit_goes_to_the_preprocessor_inside_the_c
     proxy, a request's HTTP body would be one more object.)"""
     from ray import serve
 
-    from deployments.router import HandlePreprocessing
+    from deployments.preprocessor_calls import HandlePreprocessing
     from mmserve.multimodal import ImageBatchRequest, ProcessedImages
     from mmserve.multimodal.types import PixelMode
 

@@ -23,7 +23,16 @@ def _request(tokens: list[int], request_id: str = "r") -> EngineCoreRequest:
 
 
 def _images(*urls: str) -> PendingImages:
-    return PendingImages(ImageBatchRequest(urls=list(urls), pixel_mode=PixelMode.DEVICE_NORMALIZE, engine_dtype="float32"), None)
+    return PendingImages(ImageBatchRequest(urls=list(urls), pixel_mode=PixelMode.DEVICE_NORMALIZE, engine_dtype="float32"), NoPreprocessing())
+
+
+class NoPreprocessing:
+    """Routing never starts preprocessing: the engine connection does."""
+
+    name = None
+
+    def process(self, request):
+        raise AssertionError("routing started preprocessing")
 
 
 class TimedCall:

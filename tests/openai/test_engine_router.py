@@ -52,13 +52,15 @@ class FakeEngine:
         pass
 
     def generate(self, request, images):
-        self.images.append(images)
+        self.images.append(images.response() if images is not None else None)  # as a Ray call does
         call = FakeCall(self.events, self.fail)
         self.calls.append(call)
         return call
 
 
 class FakePreprocessing:
+    name = None  # engine clients cannot call it: every call is started here
+
     def __init__(self) -> None:
         self.started = 0
 

@@ -1,0 +1,82 @@
+"""`PreprocessorCalls`: an engine client's call to the preprocessor answers pixels or a refusal the
+client can act on, tries a lost replica's work once more, and lets the preprocessor's own bugs through."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+
+from deployments.preprocessor_calls import PreprocessorCalls
+from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages
+from mmserve.multimodal.types import PixelMode
+from mmserve.protocol import PreprocessorName
+
+NAME = PreprocessorName("app", "Preprocessor")
+REQUEST = ImageBatchRequest(urls=["data:image/png;base64,AAAA"], pixel_mode=PixelMode.DEVICE_NORMALIZE, engine_dtype="bfloat16")
+PROCESSED = ProcessedImages(images=[], placeholder_token_id=7, family="qwen2_vl")
+
+
+class ScriptedPreprocessing:
+    """Answers each call with the next of `answers`: a result, or an exception raised on await."""
+
+    def __init__(self, *answers: object) -> None:
+        self.answers = list(answers)
+        self.calls = 0
+
+    def process(self, request: ImageBatchRequest):
+        self.calls += 1
+        answer = self.answers.pop(0)
+
+        async def response():
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+
+        return response()
+
+
+def _calls(preprocessing: ScriptedPreprocessing) -> PreprocessorCalls:
+    calls = PreprocessorCalls()
+    calls._handles[NAME] = preprocessing  # type: ignore[assignment]  # (a Serve handle's stand-in)
+    return calls
+
+
+def _process(preprocessing: ScriptedPreprocessing):
+    return asyncio.run(_calls(preprocessing).process(REQUEST, NAME))
+
+
+def test_the_pixels_and_the_preprocessors_own_refusals_come_back_as_answered():
+    assert _process(ScriptedPreprocessing(PROCESSED)) is PROCESSED
+    refused = ImagesRefused("image 1: not an image", 0)
+    assert _process(ScriptedPreprocessing(refused)) is refused
+
+
+def test_a_replica_lost_under_the_call_is_tried_once_more(caplog):
+    preprocessing = ScriptedPreprocessing(ActorDiedError(), PROCESSED)
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        assert _process(preprocessing) is PROCESSED
+    assert preprocessing.calls == 2
+    assert "trying once more" in caplog.text
+
+
+def test_a_second_loss_or_a_full_queue_is_busy_for_the_client():
+    twice = ScriptedPreprocessing(ActorDiedError(), ActorDiedError())
+    refused = _process(twice)
+    assert isinstance(refused, ImagesRefused) and refused.kind == "busy" and refused.retry_after_s == 1
+    assert "image preprocessing failed" in refused.message and twice.calls == 2
+    full = ScriptedPreprocessing(BackPressureError(num_queued_requests=4, max_queued_requests=4))
+    refused = _process(full)
+    assert isinstance(refused, ImagesRefused) and refused.kind == "busy" and "queue is full" in refused.message
+    assert full.calls == 1
+
+
+def test_a_bug_in_the_preprocessor_is_raised_as_itself_and_not_retried():
+    bug = ValueError("a bug")
+    preprocessing = ScriptedPreprocessing(RayTaskError("process", "Traceback ...", bug))
+    with pytest.raises(ValueError, match="a bug"):
+        _process(preprocessing)
+    assert preprocessing.calls == 1
