@@ -105,6 +105,8 @@ class EngineClientDeployment:
         self._link_requests = 0
         self._link_image_requests = 0
         self._preprocessors = PreprocessorCalls()
+        # Images being processed for link requests, by (caller, request id): an abort cancels them.
+        self._preprocessing: dict[tuple[str, str], asyncio.Task[ProcessedImages | ImagesRefused]] = {}
         self._link_reader = loop.create_task(self._read_link(), name="engine-client-inbox")
 
     def _channel(self, caller: str) -> CallerChannel[AddAnswer]:
@@ -183,17 +185,23 @@ class EngineClientDeployment:
         preprocess: Callable[[], Awaitable[ProcessedImages | ImagesRefused]] | None = None,
     ) -> Admission:
         """With `preprocess`, the images are processed first (the request counts as the caller's
-        meanwhile: an abort then keeps it from the engine)."""
+        meanwhile: an abort, or the caller's end, cancels the processing and keeps it from the engine)."""
         channel = self._channel(caller)
         request_id = request.request_id
         if not channel.track(request_id):
             return Admission(refused=RequestRefused("cancelled", "the caller aborted the request before it arrived"))
         try:
             if preprocess is not None:
-                images = await preprocess()
-                if self._channels.get(caller) is not channel or request_id not in channel.request_ids:
+                processing = self._preprocessing[caller, request_id] = asyncio.ensure_future(preprocess())
+                try:
+                    await asyncio.wait({processing})
+                finally:
+                    processing.cancel()  # (this call was cancelled: the processing goes with it)
+                    self._preprocessing.pop((caller, request_id), None)
+                if processing.cancelled() or self._channels.get(caller) is not channel or request_id not in channel.request_ids:
                     channel.untrack(request_id)
                     return Admission(refused=RequestRefused("cancelled", "the caller aborted the request while its images were processed"))
+                images = processing.result()
             admission = await self.server.add(request, images, channel)
         except BaseException:
             channel.untrack(request_id)
@@ -212,6 +220,9 @@ class EngineClientDeployment:
             return  # (its engine is gone, and its requests with it)
         if (channel := self._channels.get(caller)) is not None:
             channel.aborted(request_ids)
+        for request_id in request_ids:
+            if (processing := self._preprocessing.get((caller, request_id))) is not None:
+                processing.cancel()
         await self.server.client.abort_quietly(request_ids)
 
     async def _read_link(self) -> None:
@@ -258,6 +269,9 @@ class EngineClientDeployment:
 
     async def _drop_caller(self, caller: str) -> None:
         self._callers.unwatch(caller)
+        for (of_caller, _), processing in list(self._preprocessing.items()):
+            if of_caller == caller:
+                processing.cancel()
         channel = self._channels.pop(caller, None)
         if channel is not None and channel.request_ids:
             await self.server.client.abort_quietly(list(channel.request_ids))

@@ -7,6 +7,7 @@ the engine client; and data URIs travel inside the call, cut into pieces (`inlin
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgspec
@@ -63,8 +64,12 @@ class PreprocessorCalls:
     async def process(self, request: ImageBatchRequest, name: PreprocessorName) -> ProcessedImages | ImagesRefused:
         handle = self._handle(name)
         for attempt in range(1, PREPROCESSING_TRIES + 1):
+            response = handle.process(request)
             try:
-                return await handle.process(request)
+                return await response
+            except asyncio.CancelledError:
+                response.cancel()  # (awaiting a Serve response stops waiting; this stops the call)
+                raise
             except Exception as exc:
                 inner = innermost_cause(exc)
                 if isinstance(inner, BackPressureError):

@@ -20,23 +20,41 @@ REQUEST = ImageBatchRequest(urls=["data:image/png;base64,AAAA"], pixel_mode=Pixe
 PROCESSED = ProcessedImages(images=[], placeholder_token_id=7, family="qwen2_vl")
 
 
+class ScriptedResponse:
+    """A Serve response's stand-in: awaited, it gives `answer` (raised if an exception; never, if None)."""
+
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+        self.cancelled = False
+
+    def __await__(self):
+        return self._result().__await__()
+
+    async def _result(self):
+        if self.answer is None:
+            await asyncio.Event().wait()
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 class ScriptedPreprocessing:
-    """Answers each call with the next of `answers`: a result, or an exception raised on await."""
+    """Answers each call with the next of `answers`."""
 
     def __init__(self, *answers: object) -> None:
         self.answers = list(answers)
-        self.calls = 0
+        self.responses: list[ScriptedResponse] = []
 
-    def process(self, request: ImageBatchRequest):
-        self.calls += 1
-        answer = self.answers.pop(0)
+    @property
+    def calls(self) -> int:
+        return len(self.responses)
 
-        async def response():
-            if isinstance(answer, BaseException):
-                raise answer
-            return answer
-
-        return response()
+    def process(self, request: ImageBatchRequest) -> ScriptedResponse:
+        self.responses.append(ScriptedResponse(self.answers.pop(0)))
+        return self.responses[-1]
 
 
 def _calls(preprocessing: ScriptedPreprocessing) -> PreprocessorCalls:
@@ -80,3 +98,19 @@ def test_a_bug_in_the_preprocessor_is_raised_as_itself_and_not_retried():
     with pytest.raises(ValueError, match="a bug"):
         _process(preprocessing)
     assert preprocessing.calls == 1
+
+
+def test_a_cancelled_caller_cancels_the_call_itself():
+    """(Awaiting a Serve response only stops waiting for it: the call must be cancelled too, or
+    the preprocessor goes on fetching and decoding for a request nobody waits for.)"""
+    preprocessing = ScriptedPreprocessing(None)
+
+    async def run():
+        task = asyncio.ensure_future(_calls(preprocessing).process(REQUEST, NAME))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert preprocessing.responses[0].cancelled

@@ -1,15 +1,18 @@
-"""A client that goes away cancels its work: before its first token, mid-stream, and while its
-images are still being preprocessed. In each case the engine holds no request of it within 1 s
-and the engine client's in-flight map is empty.
+"""A client that goes away cancels its work: before its first token, mid-stream, while its
+images are still being preprocessed, and while one is still being fetched. In each case the
+engine holds no request of it within 1 s and the engine client's in-flight map is empty.
 
 One built-in-engine application for the module: `max_num_seqs=1` (a second request queues in
 the engine, so "before the first token" is a state that lasts), 300 ms between decode steps,
-and file:// images from a temporary directory (large JPEGs, so preprocessing takes a while).
+file:// images from a temporary directory (large JPEGs, so preprocessing takes a while), and
+images from this host's loopback (a server that never finishes sending).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -38,10 +41,56 @@ def image_dir(tmp_path_factory) -> Path:
 def app(serve_instance, image_dir):
     deployed = deploy_app(serve_instance, NAME, {
         "builtin_engine": {"step_interval_ms": STEP_MS, "max_num_seqs": 1},
-        "images": {"allowed_local_dir": str(image_dir), "cache_bytes": 0},  # every request pays the pixel work
+        "images": {"allowed_local_dir": str(image_dir), "cache_bytes": 0,  # every request pays the pixel work
+                   "allowed_hosts": ["127.0.0.1"]},
     })
     yield deployed
     serve.delete(NAME, _blocking=True)
+
+
+class DrippingImage:
+    """An image server on the loopback that sends its headers, then one byte every 50 ms for 30 s
+    (a fetch of it ends only by the fetch's own timeout, 10 s, or by being cancelled), and notes
+    when its client hangs up."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.hung_up = threading.Event()
+        dripping = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", "1000000")
+                self.end_headers()
+                dripping.started.set()
+                try:
+                    for _ in range(600):
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        time.sleep(0.05)
+                except (BrokenPipeError, ConnectionResetError):
+                    dripping.hung_up.set()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/image.png"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def dripping_image():
+    image = DrippingImage()
+    yield image
+    image.close()
 
 
 
@@ -133,3 +182,25 @@ def test_disconnect_during_preprocessing(app, image_dir, stream):
     r = httpx.post(app.base_url + "/v1/chat/completions", timeout=60,
                    json={"messages": CHAT, "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+def test_disconnect_during_an_image_fetch_cancels_the_fetch(app, dripping_image):
+    """The client leaves while its image is still arriving over HTTP: the request went over the
+    ingress's link, so the engine client called the preprocessor; the abort cancels that call,
+    and with it the fetch (its connection hung up), long before the fetch's own 10-s timeout.
+    Nothing reaches the engine."""
+    warm = httpx.post(app.base_url + "/v1/chat/completions", timeout=60, json={"messages": CHAT, "max_tokens": 1})
+    assert warm.status_code == 200, warm.text  # (the ingress's link to the engine client is open)
+    before = app.engine_info()
+    content = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": dripping_image.url}}]
+    sock = send_chat(app.base_url, {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "stream": True})
+    assert dripping_image.started.wait(20), "the image was never fetched"
+    time.sleep(0.5)
+    left_at = time.monotonic()
+    reset(sock)
+    assert dripping_image.hung_up.wait(5.0), "the fetch went on after the client left"
+    print(f"the fetch hung up {time.monotonic() - left_at:.2f} s after the client left")
+    after = app.engine_info()
+    assert after.link_image_requests - before.link_image_requests == 1
+    assert after.requests_sent == before.requests_sent
+    assert after.num_in_flight == 0
