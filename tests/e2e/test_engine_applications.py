@@ -15,6 +15,7 @@ from ray import serve
 
 from tests.conftest import deploy_app
 from tests.e2e.fault_support import wait_for
+from tests.support.images import image_part, image_uri
 
 pytestmark = pytest.mark.serve
 
@@ -72,6 +73,15 @@ def test_engine_applications_join_and_leave_while_serving_and_nothing_else_resta
         app = deploy_app(serve_instance, name, {"engines": [], "engine_applications": PREFIX, "served_model_name": BUILTIN})
         url = app.base_url + "/v1/chat/completions"
         assert _listed(app.base_url) == {a: "ready"}
+        # An image request over the link: the engine application's engine client calls this
+        # application's preprocessor (another Serve application's deployment) itself.
+        client = app.openai()
+        client.chat.completions.create(model=BUILTIN, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        images_before = _engine(a).info.remote().result(timeout_s=30).link_image_requests
+        answer = client.chat.completions.create(model=BUILTIN, max_tokens=2, messages=[
+            {"role": "user", "content": [image_part(image_uri(64, 48, seed=1)), {"type": "text", "text": "What is it?"}]}])
+        assert answer.choices[0].finish_reason == "length"
+        assert _engine(a).info.remote().result(timeout_s=30).link_image_requests == images_before + 1
         ingress_pid = serve.get_deployment_handle("Ingress", app_name=name).pid.remote().result(timeout_s=30)
         engine_a_pid = _engine(a).pid.remote().result(timeout_s=30)
 
