@@ -192,6 +192,9 @@ class EngineClientDeployment:
             return Admission(refused=RequestRefused("cancelled", "the caller aborted the request before it arrived"))
         try:
             if preprocess is not None:
+                if (refused := self.server.overloaded()) is not None:  # (before the images' work)
+                    channel.untrack(request_id)
+                    return Admission(refused=refused)
                 processing = self._preprocessing[caller, request_id] = asyncio.ensure_future(preprocess())
                 try:
                     await asyncio.wait({processing})

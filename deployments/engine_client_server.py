@@ -205,9 +205,8 @@ class EngineClientServer:
         announce the final prompt. Client-caused refusals are answers, not exceptions (see
         `RequestRefused`)."""
         ready = await self.client.wait_ready(self.config.engine_wait_timeout_s)
-        limit = self.config.max_in_flight
-        if self.client.num_in_flight >= limit:
-            return Admission(refused=RequestRefused("overloaded", f"the engine has {limit} requests in flight; retry shortly"))
+        if (refused := self.overloaded()) is not None:
+            return Admission(refused=refused)
         if isinstance(images, ImagesRefused):
             kind = _IMAGE_REFUSALS[images.kind]
             return Admission(refused=RequestRefused(kind, images.message, "messages", images.retry_after_s))
@@ -224,6 +223,14 @@ class EngineClientServer:
         except InvalidRequestError as exc:
             return Admission(refused=RequestRefused("invalid", str(exc), exc.param))
         return Admission(accepted=accepted)
+
+    def overloaded(self) -> RequestRefused | None:
+        """The refusal of a request now, if the engine holds `max_in_flight` requests already (checked
+        again by `add`; before it, by whoever would process images for nothing)."""
+        limit = self.config.max_in_flight
+        if self.client.num_in_flight >= limit:
+            return RequestRefused("overloaded", f"the engine has {limit} requests in flight; retry shortly")
+        return None
 
     async def info(self) -> EngineInfo:
         ready = self.client.ready

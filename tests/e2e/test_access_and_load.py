@@ -11,6 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.config import AppConfig, EngineEndpoint
+from tests.support.dripping_image import DrippingImage
 from tests.conftest import deploy_app
 
 pytestmark = pytest.mark.serve
@@ -120,7 +121,9 @@ def test_in_flight_limit_gives_429_not_timeouts(serve_instance):
     from ray import serve
 
     app = deploy_app(serve_instance, "limited", {"limits": {"max_in_flight_per_engine": 4},
-                                                 "builtin_engine": {"step_interval_ms": 20}})
+                                                 "builtin_engine": {"step_interval_ms": 20},
+                                                 "images": {"allowed_hosts": ["127.0.0.1"]}})
+    image = DrippingImage()
     try:
         async def one(client: httpx.AsyncClient) -> tuple[int, str | None]:
             resp = await client.post(app.base_url + "/v1/chat/completions", json={**CHAT, "max_tokens": 50, "ignore_eos": True})
@@ -135,7 +138,30 @@ def test_in_flight_limit_gives_429_not_timeouts(serve_instance):
         assert codes.count(200) >= 4 and codes.count(429) >= 1, codes
         assert set(codes) <= {200, 429}
         assert all(retry for code, retry in results if code == 429)
+
+        # With the engine full, an image request (over the ingress's link, open since the burst) is
+        # refused before its image is fetched: the limit comes before the expensive step.
+        async def full_engine_then_image() -> tuple[int, int]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                long = [asyncio.create_task(client.post(app.base_url + "/v1/chat/completions", json={**CHAT, "max_tokens": 400, "ignore_eos": True}))
+                        for _ in range(4)]
+                while (await asyncio.to_thread(app.engine_info)).num_in_flight < 4:
+                    await asyncio.sleep(0.05)
+                body = {"max_tokens": 4, "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": image.url}}]}]}
+                refused = await client.post(app.base_url + "/v1/chat/completions", json=body)
+                for task in long:
+                    task.cancel()
+                await asyncio.gather(*long, return_exceptions=True)
+                return refused.status_code, (await asyncio.to_thread(app.engine_info)).link_image_requests
+
+        images_before = app.engine_info().link_image_requests
+        status, images_after = asyncio.run(full_engine_then_image())
+        assert status == 429
+        assert images_after == images_before + 1  # (it went over the link, to the engine client's check)
+        assert not image.started.is_set(), "the image was fetched for a request the full engine refused"
     finally:
+        image.close()
         serve.delete("limited", _blocking=True)
 
 

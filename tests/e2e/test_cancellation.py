@@ -10,9 +10,7 @@ images from this host's loopback (a server that never finishes sending).
 
 from __future__ import annotations
 
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -21,6 +19,7 @@ from ray import serve
 
 from tests.e2e.fault_support import wait_for, write_big_jpegs
 from tests.conftest import deploy_app
+from tests.support.dripping_image import DrippingImage
 from tests.support.raw_http import reset, send_chat
 
 pytestmark = pytest.mark.serve
@@ -46,44 +45,6 @@ def app(serve_instance, image_dir):
     })
     yield deployed
     serve.delete(NAME, _blocking=True)
-
-
-class DrippingImage:
-    """An image server on the loopback that sends its headers, then one byte every 50 ms for 30 s
-    (a fetch of it ends only by the fetch's own timeout, 10 s, or by being cancelled), and notes
-    when its client hangs up."""
-
-    def __init__(self) -> None:
-        self.started = threading.Event()
-        self.hung_up = threading.Event()
-        dripping = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                self.send_response(200)
-                self.send_header("Content-Type", "image/png")
-                self.send_header("Content-Length", "1000000")
-                self.end_headers()
-                dripping.started.set()
-                try:
-                    for _ in range(600):
-                        self.wfile.write(b"x")
-                        self.wfile.flush()
-                        time.sleep(0.05)
-                except (BrokenPipeError, ConnectionResetError):
-                    dripping.hung_up.set()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/image.png"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
