@@ -24,7 +24,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -173,8 +173,8 @@ class EngineClientDeployment:
         self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None = None, caller: str = "",
         engine: str = "",
     ) -> bytes:
-        """Send one request that came as a Ray call (requests come over the link once it is open,
-        `_read_link`); its outputs travel on the caller's `subscribe` stream. Answers an encoded `Admission` (with this
+        """Send one request that came as a Ray call (before the caller's link opened, `_read_link`); its
+        outputs travel on the caller's `subscribe` stream. Answers an encoded `Admission` (with this
         replica's name, which the caller checks its stream against)."""
         if not self._mine(engine):
             return encode(Admission(refused=RequestRefused(NOT_THIS_ENGINE, f"engine {engine} is gone (this is {self.engine_id})")))
@@ -182,29 +182,24 @@ class EngineClientDeployment:
 
     async def _add(
         self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None, caller: str,
-        preprocess: Callable[[], Awaitable[ProcessedImages | ImagesRefused]] | None = None,
+        to_process: ImageRequest | None = None,
     ) -> Admission:
-        """With `preprocess`, the images are processed first (the request counts as the caller's
+        """With `to_process`, its images are processed first (the request counts as the caller's
         meanwhile: an abort, or the caller's end, cancels the processing and keeps it from the engine)."""
         channel = self._channel(caller)
         request_id = request.request_id
         if not channel.track(request_id):
             return Admission(refused=RequestRefused("cancelled", "the caller aborted the request before it arrived"))
         try:
-            if preprocess is not None:
-                if (refused := self.server.overloaded()) is not None:  # (before the images' work)
+            if to_process is not None:
+                refused = self.server.overloaded()  # (before the images' work)
+                if refused is None:
+                    images = await self._process_images(to_process)
+                    if images is None or self._channels.get(caller) is not channel or request_id not in channel.request_ids:
+                        refused = RequestRefused("cancelled", "the caller aborted the request while its images were processed")
+                if refused is not None:
                     channel.untrack(request_id)
                     return Admission(refused=refused)
-                processing = self._preprocessing[caller, request_id] = asyncio.ensure_future(preprocess())
-                try:
-                    await asyncio.wait({processing})
-                finally:
-                    processing.cancel()  # (this call was cancelled: the processing goes with it)
-                    self._preprocessing.pop((caller, request_id), None)
-                if processing.cancelled() or self._channels.get(caller) is not channel or request_id not in channel.request_ids:
-                    channel.untrack(request_id)
-                    return Admission(refused=RequestRefused("cancelled", "the caller aborted the request while its images were processed"))
-                images = processing.result()
             admission = await self.server.add(request, images, channel)
         except BaseException:
             channel.untrack(request_id)
@@ -216,6 +211,18 @@ class EngineClientDeployment:
             # request that finished meanwhile is a no-op).
             await self.server.client.abort_quietly([request_id])
         return msgspec.structs.replace(admission, replica=self.replica)
+
+    async def _process_images(self, message: ImageRequest) -> ProcessedImages | ImagesRefused | None:
+        """The request's images, processed; None if an abort (or the caller's end) cancelled that."""
+        key = (message.caller, message.request.request_id)
+        processing = asyncio.ensure_future(self._preprocessors.process(message.images, message.preprocessor))
+        self._preprocessing[key] = processing
+        try:
+            await asyncio.wait({processing})
+        finally:
+            processing.cancel()  # (this call was cancelled: the processing goes with it)
+            self._preprocessing.pop(key, None)
+        return None if processing.cancelled() else processing.result()
 
     async def abort(self, request_ids: list[str], caller: str = "", engine: str = "") -> None:
         """The caller gave these requests up (its client left, a stop string matched)."""
@@ -252,11 +259,9 @@ class EngineClientDeployment:
 
     async def _add_from_link(self, message: TextRequest | ImageRequest) -> None:
         request_id = message.request.request_id
-        preprocess = None
-        if isinstance(message, ImageRequest):
-            preprocess = lambda: self._preprocessors.process(message.images, message.preprocessor)  # noqa: E731
+        to_process = message if isinstance(message, ImageRequest) else None
         try:
-            answer = AddAnswer(request_id, admission=await self._add(message.request, None, message.caller, preprocess))
+            answer = AddAnswer(request_id, admission=await self._add(message.request, None, message.caller, to_process))
         except EngineDeadError as exc:
             answer = AddAnswer(request_id, failed=AddFailed("dead", str(exc)))
         except EngineNotReadyError as exc:
