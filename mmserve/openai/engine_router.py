@@ -14,8 +14,9 @@ The engines come from `EngineSource`s: engine-client deployments made with the a
 the same engines), or an engine pool that Serve scales, whose replicas come and go. An engine that
 leaves is drained: sent nothing new, and its connection (which holds the replica) closed once the
 requests this router sent it have finished, so Serve can stop it without cutting a stream.
-How engine clients and the preprocessor are reached (Ray Serve handles) is the deployment's
-business (`deployments/router.py`): this class sees them through `EngineConnection` and `Preprocessing`.
+How engine clients and the preprocessor are reached (Ray Serve handles, ZMQ links) is the
+deployments' business (`deployments/router.py`, `engine_connection.py`, `preprocessor_calls.py`): this
+class sees them through `EngineConnection` and `Preprocessing` (`pending_images.py`).
 """
 
 from __future__ import annotations
