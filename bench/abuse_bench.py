@@ -697,7 +697,7 @@ def build_model(dest: Path) -> Path:
         import subprocess
         from tests.support.reference_venv import reference_python
         subprocess.run([reference_python(), "-c", "import sys; from tests.support.tiny_models import build_tiny_qwen2_vl as b; "
-                        f"b(sys.argv[1], seed=0)", str(dest)], cwd=REPO, check=True)
+                        "b(sys.argv[1], seed=0)", str(dest)], cwd=REPO, check=True)
     return dest
 
 

@@ -12,7 +12,6 @@ readers one after the other, `--runs` times. Not a test; run it alone on the mac
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import subprocess
 import sys

@@ -100,7 +100,7 @@ async def measure(seconds: float, concurrency: int) -> tuple[float, float, int, 
         steps = done = 0
 
         async def one() -> None:
-            nonlocal steps, done
+            nonlocal done
             req = request(next(numbers))
             finished = asyncio.Event()
             channel.track(req.request_id)

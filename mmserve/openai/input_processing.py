@@ -40,7 +40,6 @@ from .intake import text_chars
 from .metrics import RequestRecord
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequestFields
 from .settings import ServingSettings
-from .structured_outputs import structured_outputs
 from .tool_calls import template_tools
 
 # Prompts with at least this many characters of text are templated and tokenized off the

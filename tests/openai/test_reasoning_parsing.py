@@ -55,7 +55,7 @@ OUTPUTS = [
     f"<think>I should call a tool.</think>{CALL}",
     f"<think>Calling.</think>Let me look.\n{CALL}",
     f"Opened by the template.</think>\n{CALL}",
-    f"<think>Reasoning mentions <tool_call> in passing.</think>No call.",
+    "<think>Reasoning mentions <tool_call> in passing.</think>No call.",
     # What the qwen3 grammar reads differently: `<` and `>` held back, its tool markup, special tokens
     # (dropped by it), whitespace-only content, characters cut across tokens.
     "A < b and c > d, <b>bold</b>, <thi and </thin.</think>Content <with> <tool_ and </think> again.",
