@@ -21,7 +21,8 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from mmserve.engine import EngineDeadError, EngineNotReadyError
 from mmserve.engine.zmq_link import LinkInbox, LinkOutbox
 from mmserve.openai.engine_outputs import OutputDemux, RequestOutputs
-from mmserve.openai.engine_router import PendingImages, ReplicaLostError
+from mmserve.openai.engine_router import ReplicaLostError
+from mmserve.openai.pending_images import PendingImages
 from mmserve.protocol import (
     NOT_THIS_ENGINE, AbortRequests, AddAnswer, Admission, EngineEvent, EngineInfo, GatewayBusyError, ImageRequest,
     TextRequest, decode_admission, decode_output_batch, encode,

@@ -29,7 +29,7 @@ PREPROCESSING_TRIES = 2
 
 
 class HandlePreprocessing:
-    """The preprocessor through its deployment's handle (`mmserve.openai.engine_router.Preprocessing`)."""
+    """The preprocessor through its deployment's handle (`mmserve.openai.pending_images.Preprocessing`)."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
         # By reference, whatever Ray's defaults (RAY_SERVE_THROUGHPUT_OPTIMIZED makes calls by value).

@@ -8,6 +8,9 @@ import httpx
 import openai
 import pytest
 
+from mmserve.openai.pending_images import LINK_MAX_URL_CHARS
+from tests.support.images import image_part, image_uri
+
 pytestmark = pytest.mark.serve
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something about the sea."}]
@@ -156,7 +159,8 @@ def test_text_and_image_requests_travel_over_the_link(builtin_app):
     """Once an ingress replica's subscription has named the engine client's inbox, its requests go
     there over ZMQ, not as Ray calls (`mmserve.protocol`): text requests, and image requests, whose
     images the engine client then has the preprocessor process; a request with images and `n` > 1
-    stays one Ray call per child, its children sharing the preprocessing the ingress started."""
+    stays one Ray call per child, its children sharing the preprocessing the ingress started, and so
+    does one whose data URIs are too long for the link."""
     client = builtin_app.openai()
     client.chat.completions.create(model="mmserve-builtin", messages=CHAT, max_tokens=4)  # the subscription is open
     before = builtin_app.engine_info()
@@ -179,6 +183,11 @@ def test_text_and_image_requests_travel_over_the_link(builtin_app):
     shared = client.chat.completions.create(model="mmserve-builtin", max_tokens=4, messages=messages, n=2)
     assert len(shared.choices) == 2
     after_shared = builtin_app.engine_info()
+    big = image_uri(900, 900, seed=3)  # noisy: a data URI of some MB, over the link's 1 MiB of URLs
+    assert len(big) > LINK_MAX_URL_CHARS
+    client.chat.completions.create(model="mmserve-builtin", max_tokens=4, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image_part(big)]}])
+    after_big = builtin_app.engine_info()
     assert after_text.requests_sent - before.requests_sent == 4
     assert after_text.link_requests - before.link_requests == 4
     assert after_text.link_image_requests == before.link_image_requests
@@ -187,3 +196,5 @@ def test_text_and_image_requests_travel_over_the_link(builtin_app):
     assert after_image.link_image_requests - after_text.link_image_requests == 2
     assert after_shared.requests_sent - after_image.requests_sent == 2
     assert after_shared.link_requests == after_image.link_requests
+    assert after_big.requests_sent - after_shared.requests_sent == 1
+    assert after_big.link_requests == after_shared.link_requests

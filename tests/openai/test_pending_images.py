@@ -7,7 +7,7 @@ import pytest
 
 from mmserve.multimodal import ImageBatchRequest
 from mmserve.multimodal.types import PixelMode
-from mmserve.openai.pending_images import PendingImages
+from mmserve.openai.pending_images import LINK_MAX_URL_CHARS, PendingImages
 from mmserve.protocol import PreprocessorName
 
 NAME = PreprocessorName("app", "Preprocessor")
@@ -69,3 +69,14 @@ def test_delivered_images_are_dropped_and_again_starts_anew():
     assert fresh.request is None and fresh.for_link() is None
     with pytest.raises(RuntimeError, match="delivered"):
         fresh.response()
+
+
+def test_urls_too_long_for_the_link_go_as_the_ingress_s_own_call():
+    preprocessing = CountingPreprocessing()
+    prefix = "data:image/png;base64,"
+    at_limit = ImageBatchRequest([prefix + "A" * (LINK_MAX_URL_CHARS - len(prefix))], PixelMode.DEVICE_NORMALIZE, "bfloat16")
+    assert PendingImages(at_limit, preprocessing).for_link() == (at_limit, NAME)
+    over = ImageBatchRequest([prefix + "A" * 1000] * 2 + [prefix + "A" * (LINK_MAX_URL_CHARS - 2000)], PixelMode.DEVICE_NORMALIZE, "bfloat16")
+    images = PendingImages(over, preprocessing)
+    assert images.for_link() is None
+    assert images.response() == "response-1"
