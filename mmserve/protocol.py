@@ -7,9 +7,10 @@ engine client's inbox, and the engine client sends back `OutputBatch`es: the ans
 requests and the outputs of all the replica's requests since the previous batch, merged while the
 ingress lags. An image request names the preprocessor, which the engine client calls itself, so
 the pixels come to it by reference (the Ray object store), never through the ingress or the link.
-So Ray carries no call from the ingress per request, and nothing per token. Until the link is open
-(and with engine clients of older versions), a request is one Ray call (`add`), answered by its
-`Admission`. Everything is msgpack-encoded.
+So Ray carries no call from the ingress per request, and nothing per token. Until the link is open,
+with engine clients of older versions, and for the image requests `mmserve.openai.pending_images`
+keeps off the link (`n` > 1, data URIs over 1 MiB), a request is one Ray call (`add`), answered by
+its `Admission`. Everything is msgpack-encoded.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class AddAnswer(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class OutputBatch(msgspec.Struct, frozen=True, omit_defaults=True):
     """One message of an ingress replica's output stream from one engine client: its requests'
-    outputs in arrival order, its requests that failed, and the answers to its text requests. The
+    outputs in arrival order, its requests that failed, and the answers to its link requests. The
     `subscribe` call's one item is empty except for `replica`, which names the engine-client replica
     sending the stream, `requests_address`, that replica's inbox for `LinkRequest`s, and
     `takes_images`, whether that inbox takes `ImageRequest`s (engine clients of older versions
