@@ -29,6 +29,7 @@ from mmserve.protocol import (
 )
 from mmserve.wire import EngineCoreRequest
 
+from .preprocessor_calls import QUEUE_FULL_MESSAGE
 from .ray_errors import describe, innermost_cause
 from .ray_node import node_ip
 
@@ -256,7 +257,7 @@ class HandleEngineCall:
             # wrapped once per hop; hand the caller the original, typed error.
             inner = innermost_cause(exc)
             if isinstance(inner, BackPressureError):
-                raise GatewayBusyError("the image preprocessing queue is full; retry shortly") from None
+                raise GatewayBusyError(QUEUE_FULL_MESSAGE) from None
             if not isinstance(inner, (RayError, RayServeException)):
                 raise inner from None
             raise ReplicaLostError(describe(inner)) from None

@@ -26,6 +26,8 @@ logger = logging.getLogger("ray.serve")
 
 # Tries per request when the preprocessor replica doing it dies (preprocessing has no side effects).
 PREPROCESSING_TRIES = 2
+# What the client is told when Serve's queue for the preprocessor is full (whichever side called it).
+QUEUE_FULL_MESSAGE = "the image preprocessing queue is full; retry shortly"
 
 
 class HandlePreprocessing:
@@ -73,7 +75,7 @@ class PreprocessorCalls:
             except Exception as exc:
                 inner = innermost_cause(exc)
                 if isinstance(inner, BackPressureError):
-                    return ImagesRefused("the image preprocessing queue is full; retry shortly", kind="busy", retry_after_s=1)
+                    return ImagesRefused(QUEUE_FULL_MESSAGE, kind="busy", retry_after_s=1)
                 if not isinstance(inner, (RayError, RayServeException)):
                     raise inner from None  # the preprocessor's own bug, not a lost replica
                 why = describe(inner)

@@ -217,7 +217,6 @@ def test_disconnects_and_an_engine_death_leave_one_info_line_each_and_no_traceba
     assert len(deaths) == 1, "\n".join(deaths)  # whole lines: pytest would cut them short
 
 
-
 def test_an_ingress_with_the_applications_own_options_does_not_warn_of_its_runtime_env(serve_run):
     """The counterpart of `test_serve_run_ingress_env.py`: no warning when nothing replaced the
     Ingress's runtime_env."""
