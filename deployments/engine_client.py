@@ -44,7 +44,7 @@ from mmserve.wire import EngineCoreRequest
 from .caller_watch import CallerWatch
 from .engine_client_server import EngineClientServer, EngineClientSettings
 from .engine_pool_autoscaling import ENGINE_KV_CACHE_USAGE_METRIC, ENGINE_REQUESTS_METRIC
-from .preprocessor_calls import PreprocessorCalls
+from .link_images import LinkImages
 from .ray_node import node_ip
 from .raylet_watch import RayletWatch
 from .replica_logs import log_package_to_replica
@@ -104,9 +104,7 @@ class EngineClientDeployment:
         self._link_tasks: set[asyncio.Task[None]] = set()
         self._link_requests = 0
         self._link_image_requests = 0
-        self._preprocessors = PreprocessorCalls()
-        # Images being processed for link requests, by (caller, request id): an abort cancels them.
-        self._preprocessing: dict[tuple[str, str], asyncio.Task[ProcessedImages | ImagesRefused]] = {}
+        self._images = LinkImages(lambda mm_hashes: self.server.client.adds.holds(mm_hashes))
         self._link_reader = loop.create_task(self._read_link(), name="engine-client-inbox")
 
     def _channel(self, caller: str) -> CallerChannel[AddAnswer]:
@@ -194,13 +192,14 @@ class EngineClientDeployment:
             if to_process is not None:
                 refused = self.server.overloaded()  # (before the images' work)
                 if refused is None:
-                    images = await self._process_images(to_process)
+                    images = await self._images.process(to_process)
                     if images is None or self._channels.get(caller) is not channel or request_id not in channel.request_ids:
                         refused = RequestRefused("cancelled", "the caller aborted the request while its images were processed")
                 if refused is not None:
                     channel.untrack(request_id)
                     return Admission(refused=refused)
-            admission = await self.server.add(request, images, channel)
+            reprocess = self._images.reprocess(to_process) if to_process is not None else None
+            admission = await self.server.add(request, images, channel, reprocess)
         except BaseException:
             channel.untrack(request_id)
             raise
@@ -212,18 +211,6 @@ class EngineClientDeployment:
             await self.server.client.abort_quietly([request_id])
         return msgspec.structs.replace(admission, replica=self.replica)
 
-    async def _process_images(self, message: ImageRequest) -> ProcessedImages | ImagesRefused | None:
-        """The request's images, processed; None if an abort (or the caller's end) cancelled that."""
-        key = (message.caller, message.request.request_id)
-        processing = asyncio.ensure_future(self._preprocessors.process(message.images, message.preprocessor))
-        self._preprocessing[key] = processing
-        try:
-            await asyncio.wait({processing})
-        finally:
-            processing.cancel()  # (this call was cancelled: the processing goes with it)
-            self._preprocessing.pop(key, None)
-        return None if processing.cancelled() else processing.result()
-
     async def abort(self, request_ids: list[str], caller: str = "", engine: str = "") -> None:
         """The caller gave these requests up (its client left, a stop string matched)."""
         if not self._mine(engine):
@@ -231,8 +218,7 @@ class EngineClientDeployment:
         if (channel := self._channels.get(caller)) is not None:
             channel.aborted(request_ids)
         for request_id in request_ids:
-            if (processing := self._preprocessing.get((caller, request_id))) is not None:
-                processing.cancel()
+            self._images.cancel(caller, request_id)
         await self.server.client.abort_quietly(request_ids)
 
     async def _read_link(self) -> None:
@@ -277,9 +263,7 @@ class EngineClientDeployment:
 
     async def _drop_caller(self, caller: str) -> None:
         self._callers.unwatch(caller)
-        for (of_caller, _), processing in list(self._preprocessing.items()):
-            if of_caller == caller:
-                processing.cancel()
+        self._images.cancel_caller(caller)
         channel = self._channels.pop(caller, None)
         if channel is not None and channel.request_ids:
             await self.server.client.abort_quietly(list(channel.request_ids))
@@ -295,7 +279,8 @@ class EngineClientDeployment:
         if not self._mine(engine):
             return None
         return msgspec.structs.replace(
-            await self.server.info(), link_requests=self._link_requests, link_image_requests=self._link_image_requests
+            await self.server.info(), link_requests=self._link_requests, link_image_requests=self._link_image_requests,
+            link_images_recalled=self._images.recalled,
         )
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -12,12 +12,16 @@ import asyncio
 import dataclasses
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from mmserve.builtin_engine.launcher import BuiltinEngineProcess
-from mmserve.engine import EngineAddresses, EngineClient, EngineClientConfig, EngineState, InvalidRequestError, admit
+from mmserve.engine import (
+    EngineAddresses, EngineClient, EngineClientConfig, EngineError, EngineState, InvalidRequestError, admit,
+)
+from mmserve.engine.mm_adds import Refill
 from mmserve.engine.outputs import OutputSink
 from mmserve.engine.mm_cache import EngineCacheSettings
 from mmserve.multimodal import ImagesRefused, PlaceholderMismatch, ProcessedImages, attach_images
@@ -27,6 +31,8 @@ from mmserve.wire import EngineCoreRequest
 logger = logging.getLogger("ray.serve")
 # The preprocessor's `ImagesRefused.kind` → the `RequestRefused.kind` the ingress maps to HTTP.
 _IMAGE_REFUSALS = {"invalid": "image", "too_large": "image_too_large", "busy": "busy"}
+# A request's images processed anew (by the preprocessor that processed them first).
+Reprocess: TypeAlias = Callable[[], Awaitable[ProcessedImages | ImagesRefused]]
 
 
 @dataclass(frozen=True)
@@ -198,28 +204,35 @@ class EngineClientServer:
             await client.close()
 
     async def add(
-        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None, sink: OutputSink
+        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None, sink: OutputSink,
+        reprocess: Reprocess | None = None,
     ) -> Admission:
         """Send the request to the engine; its outputs go to `sink`. With images (resolved by Ray
         from the preprocessor's response, zero-copy), expand their placeholders first and
         announce the final prompt. Client-caused refusals are answers, not exceptions (see
-        `RequestRefused`)."""
+        `RequestRefused`). Images recalled without pixels (`RecentImages`) go by hash only, and
+        `reprocess` gets their pixels if the engine turns out not to hold them."""
         ready = await self.client.wait_ready(self.config.engine_wait_timeout_s)
         if (refused := self.overloaded()) is not None:
             return Admission(refused=refused)
         if isinstance(images, ImagesRefused):
-            kind = _IMAGE_REFUSALS[images.kind]
-            return Admission(refused=RequestRefused(kind, images.message, "messages", images.retry_after_s))
+            return _images_refused(images)
         accepted = None
+        unexpanded = request
         try:
             if images is not None:
                 request = attach_images(request, images)
                 # Checked before the prompt is announced (the engine client checks again on send).
                 request = admit(request, ready.max_model_len)
                 accepted = PromptAccepted(request.prompt_token_ids or [], len(images.images), images.preprocess_ms)
-            await self.client.add(request, sink)
+            refill = None
+            if reprocess is not None and images is not None and any(not image.fields for image in images.images):
+                refill = _refill(unexpanded, request, reprocess, ready.max_model_len)
+            await self.client.add(request, sink, refill)
         except PlaceholderMismatch as exc:
             return Admission(refused=RequestRefused("invalid", str(exc), "messages"))
+        except _RefillRefused as exc:
+            return _images_refused(exc.refusal)
         except InvalidRequestError as exc:
             return Admission(refused=RequestRefused("invalid", str(exc), exc.param))
         return Admission(accepted=accepted)
@@ -305,6 +318,37 @@ class EngineClientServer:
                 ray.kill(self.launcher)
         if self.builtin is not None:
             self._stop_builtin(dead)
+
+
+class _RefillRefused(EngineError):
+    """The preprocessor refused to process anew images a request was sent with by hash only."""
+
+    def __init__(self, refusal: ImagesRefused) -> None:
+        super().__init__(f"the request's images could not be processed again: {refusal.message}")
+        self.refusal = refusal
+
+
+def _images_refused(images: ImagesRefused) -> Admission:
+    kind = _IMAGE_REFUSALS[images.kind]
+    return Admission(refused=RequestRefused(kind, images.message, "messages", images.retry_after_s))
+
+
+def _refill(unexpanded: EngineCoreRequest, sent: EngineCoreRequest, reprocess: Reprocess, max_model_len: int) -> Refill:
+    """`sent` (`unexpanded` with its images by hash only) with its images processed anew: the same
+    prompt and images, now with their pixels (anything else would contradict the prompt announced)."""
+
+    async def refill() -> EngineCoreRequest:
+        images = await reprocess()
+        if isinstance(images, ImagesRefused):
+            raise _RefillRefused(images)
+        request = admit(attach_images(unexpanded, images), max_model_len)
+        if request.prompt_token_ids != sent.prompt_token_ids or [f.mm_hash for f in request.mm_features or []] != [
+            f.mm_hash for f in sent.mm_features or []
+        ]:
+            raise EngineError("the request's images processed again differ from those it was sent with")
+        return request
+
+    return refill
 
 
 def _log_start_failure(task: asyncio.Task[Any]) -> None:

@@ -137,7 +137,8 @@ class Ingress:
         log_package_to_replica()
         self.settings = settings
         self.router = engine_router(
-            engines, engine_pool, preprocessor, settings.engine_wait_timeout_s, settings.routing, engine_applications
+            engines, engine_pool, preprocessor, settings.engine_wait_timeout_s, settings.routing, engine_applications,
+            settings.preprocessor_version,
         )
         self.metrics = Metrics()
         send_request_log_to(logger)

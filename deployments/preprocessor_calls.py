@@ -33,10 +33,10 @@ QUEUE_FULL_MESSAGE = "the image preprocessing queue is full; retry shortly"
 class HandlePreprocessing:
     """The preprocessor through its deployment's handle (`mmserve.openai.pending_images.Preprocessing`)."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, version: str = "") -> None:
         # By reference, whatever Ray's defaults (RAY_SERVE_THROUGHPUT_OPTIMIZED makes calls by value).
         self.handle = handle.options(_by_reference=True)
-        self.name = PreprocessorName(handle.app_name, handle.deployment_name)
+        self.name = PreprocessorName(handle.app_name, handle.deployment_name, version)
 
     def process(self, request: ImageBatchRequest) -> DeploymentResponse:
         """Unawaited: resolved where the pixels are needed (by Ray, when the response is an argument
@@ -60,7 +60,9 @@ class PreprocessorCalls:
     def _handle(self, name: PreprocessorName) -> HandlePreprocessing:
         handle = self._handles.get(name)
         if handle is None:
-            handle = self._handles[name] = HandlePreprocessing(serve.get_deployment_handle(name.deployment, app_name=name.app))
+            handle = self._handles[name] = HandlePreprocessing(
+                serve.get_deployment_handle(name.deployment, app_name=name.app), name.version
+            )
         return handle
 
     async def process(self, request: ImageBatchRequest, name: PreprocessorName) -> ProcessedImages | ImagesRefused:

@@ -37,6 +37,7 @@ def engine_router(
     wait_timeout_s: float,
     routing: RoutingSettings,
     engine_applications: str | None = None,
+    preprocessor_version: str = "",
 ) -> EngineRouter:
     """The ingress's router over these engine-client deployments (one engine each) or this engine
     pool (one engine per replica, as many as Serve scales it to), the engine applications named
@@ -49,7 +50,7 @@ def engine_router(
         sources.append(EngineApplications(engine_applications, caller))
     return EngineRouter(
         sources,
-        preprocessor=HandlePreprocessing(preprocessor) if preprocessor is not None else None,
+        preprocessor=HandlePreprocessing(preprocessor, preprocessor_version) if preprocessor is not None else None,
         wait_timeout_s=wait_timeout_s,
         routing=routing,
     )

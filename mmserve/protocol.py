@@ -109,10 +109,12 @@ class TextRequest(msgspec.Struct, frozen=True, tag="add"):
 
 
 class PreprocessorName(msgspec.Struct, frozen=True):
-    """A preprocessor deployment, by its Serve application and deployment names."""
+    """A preprocessor deployment, by its Serve application and deployment names, and the version of
+    its settings: what it answered before for an image stands only while that is the same."""
 
     app: str
     deployment: str
+    version: str = ""
 
 
 class ImageRequest(msgspec.Struct, frozen=True, tag="add_images"):
@@ -184,6 +186,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # this replica started; of them, with images.
     link_requests: int = 0
     link_image_requests: int = 0
+    # Of those, requests whose images were recalled, not processed: the engine held them all
+    # (`mmserve/multimodal/recent_images.py`).
+    link_images_recalled: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

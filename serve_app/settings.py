@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import fields
 from typing import TypeVar
 
@@ -41,6 +42,7 @@ def serving_settings(config: AppConfig) -> ServingSettings:
         routing=_same_fields(RoutingSettings, config.routing),
         tool_calls=ToolCallSettings(parser=config.tool_call_parser, enable_auto_tool_choice=config.enable_auto_tool_choice),
         reasoning_parser=config.reasoning_parser,
+        preprocessor_version=hashlib.sha256(repr(preprocessor_settings(config)).encode()).hexdigest()[:16],
     )
 
 

@@ -31,7 +31,7 @@ from .guard import InvalidRequestError, admit
 from .liveness import probe_health, watch_disconnect
 from .outputs import OutputSink, RequestStream
 from .config import EngineClientConfig
-from .mm_adds import EngineAdds
+from .mm_adds import EngineAdds, Refill
 from .mm_cache import SenderCacheMirror
 from .transport import EngineTransport
 from .utility_calls import UtilityCalls
@@ -47,13 +47,15 @@ class EngineState(enum.Enum):
 
 
 class _InFlight:
-    """A request the engine holds: its sink, and the request itself (resent on a cache miss)."""
+    """A request the engine holds: its sink, and the request itself (resent on a cache miss; with
+    `refill`, if it went with items by hash only, from there)."""
 
-    __slots__ = ("request", "sink", "resent")
+    __slots__ = ("request", "sink", "refill", "resent")
 
-    def __init__(self, request: EngineCoreRequest, sink: OutputSink) -> None:
+    def __init__(self, request: EngineCoreRequest, sink: OutputSink, refill: Refill | None) -> None:
         self.request = request
         self.sink = sink
+        self.refill = refill
         self.resent = False
 
 
@@ -82,7 +84,7 @@ class EngineClient:
         self.input_address: str | None = None
         self.output_address: str | None = None
         # ADDs, and the multimodal items in them (by hash where the engine holds them).
-        self.adds = EngineAdds(self._send)
+        self.adds = EngineAdds(self._send, in_flight=self._requests.__contains__)
         self._release_task: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -163,9 +165,10 @@ class EngineClient:
 
     # ----------------------------------------------------------------- requests
 
-    async def add(self, request: EngineCoreRequest, sink: OutputSink) -> None:
+    async def add(self, request: EngineCoreRequest, sink: OutputSink, refill: Refill | None = None) -> None:
         """Send `request`; its outputs go to `sink` until one is finished, or `sink.fail` is called
-        (engine dead). Raises if the request cannot be sent (then nothing reaches the sink)."""
+        (engine dead). Raises if the request cannot be sent (then nothing reaches the sink).
+        `refill`: for a request that carries items by hash only, see `EngineAdds`."""
         self._raise_if_unusable()
         assert self.ready is not None
         request = admit(request, self.ready.max_model_len)
@@ -173,9 +176,9 @@ class EngineClient:
         if request_id in self._requests:
             # vLLM asserts on duplicate ids inside the engine, which kills it.
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        self._requests[request_id] = _InFlight(request, sink)
+        entry = self._requests[request_id] = _InFlight(request, sink, refill)
         try:
-            await self.adds.send(request)
+            entry.request = await self.adds.send(request, refill=refill)
         except BaseException:
             self._requests.pop(request_id, None)
             raise
@@ -258,7 +261,8 @@ class EngineClient:
                     # Late output of an aborted or finished request, or someone else's id.
                     continue
                 if output.finished:
-                    if not entry.resent and self.adds.resend_on_cache_miss(entry.request, output.mm_cache_miss_hashes, self._fail):
+                    missing = output.mm_cache_miss_hashes
+                    if not entry.resent and self.adds.resend_on_cache_miss(entry.request, missing, self._fail, entry.refill):
                         entry.resent = True  # once: the caller sees a normal answer
                         continue
                     # Later outputs for this id (there should be none) are dropped.

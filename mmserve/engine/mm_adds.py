@@ -2,6 +2,11 @@
 cache goes by hash only (the sender's mirror of that cache, `mm_cache.py`), and a request whose
 items the engine reports missing (the mirror drifted) is resent once with all its data.
 
+A caller may send items by hash only itself (it knows their hashes, not their data, from an earlier
+request) if it can get their data back (`Refill`): a request whose data-less items the mirror does
+not hold when it is sent (evicted meanwhile) is refilled first, and one whose items the engine reports
+missing is refilled and resent.
+
 One per engine client; the mirror is made anew at each handshake (a restarted engine starts
 empty). ADDs carrying items go out in the order the mirror was updated in.
 """
@@ -10,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeAlias
 
 import msgspec
 
@@ -20,10 +26,16 @@ from .mm_cache import SenderCacheMirror, carries_data_for, feature_key
 
 logger = logging.getLogger(__name__)
 
+# The request again, every item with its data (e.g. its images processed anew): for a request whose
+# items were sent, or were to be sent, by hash only when the engine does not hold them.
+Refill: TypeAlias = Callable[[], Awaitable[EngineCoreRequest]]
+
 
 class EngineAdds:
-    def __init__(self, send: Callable[[list], Awaitable[None]]) -> None:
+    def __init__(self, send: Callable[[list], Awaitable[None]], in_flight: Callable[[str], bool]) -> None:
         self._send = send
+        # Whether a request is still the engine's (not aborted, not finished): else it is not resent.
+        self._in_flight = in_flight
         self._encoder = RequestEncoder()
         # The engine's multimodal item cache, as far as this sender knows (None: send full data).
         self.mirror: SenderCacheMirror | None = None
@@ -35,45 +47,72 @@ class EngineAdds:
         self.items_skipped = 0
         self.cache_miss_resends = 0
 
-    async def send(self, request: EngineCoreRequest, *, force_data: bool = False) -> None:
+    async def send(self, request: EngineCoreRequest, *, force_data: bool = False, refill: Refill | None = None) -> EngineCoreRequest:
+        """Send `request` (its items by hash where the engine holds them); returns it as sent (with
+        `refill`: refilled first if the engine might not hold an item it carries without data)."""
         mirror = self.mirror
-        if mirror is None or not request.mm_features:
+        if not request.mm_features or (mirror is None and refill is None):
+            await self._send(self._encoder.encode_add(request))
+            self.requests_sent += 1
+            return request
+        async with self._lock:
+            if refill is None or self.holds(feature_key(f) for f in request.mm_features if f.data is None):
+                await self._send_prepared(request, force_data)
+                return request
+        # An item went since the caller chose to send it by hash: its data first (not under the
+        # lock: other requests go on meanwhile), then as any request with data.
+        request = await refill()
+        return await self.send(request, force_data=force_data)
+
+    def holds(self, keys: Iterable[str]) -> bool:
+        """Whether the engine holds every one of these items, as far as the mirror knows."""
+        mirror = self.mirror
+        return all(mirror is not None and key in mirror for key in keys)
+
+    async def _send_prepared(self, request: EngineCoreRequest, force_data: bool) -> None:
+        mirror = self.mirror
+        if mirror is None:
             await self._send(self._encoder.encode_add(request))
             self.requests_sent += 1
             return
-        async with self._lock:
-            features = mirror.prepare(request.mm_features, force_data=force_data)
-            try:
-                await self._send(self._encoder.encode_add(msgspec.structs.replace(request, mm_features=features)))
-            except BaseException:
-                # The engine may not have these items: never send them by hash on our word alone.
-                for feature in request.mm_features:
-                    mirror.invalidate(feature_key(feature))
-                raise
+        features = mirror.prepare(request.mm_features or [], force_data=force_data)
+        try:
+            await self._send(self._encoder.encode_add(msgspec.structs.replace(request, mm_features=features)))
+        except BaseException:
+            # The engine may not have these items: never send them by hash on our word alone.
+            for feature in request.mm_features or []:
+                mirror.invalidate(feature_key(feature))
+            raise
         self.requests_sent += 1
         self.items_skipped += sum(1 for f in features if f.data is None)
 
     def resend_on_cache_miss(
-        self, request: EngineCoreRequest, missing: list[str] | None, fail: Callable[[str, EngineError], None]
+        self, request: EngineCoreRequest, missing: list[str] | None, fail: Callable[[str, EngineError], None],
+        refill: Refill | None = None,
     ) -> bool:
         """If the engine lost items of `request` that were sent by hash, resend it (in the
-        background), every item with its data, and say so; `fail(request_id, error)` if that fails.
-        The caller resends a request once at most."""
-        if not missing or not carries_data_for(request.mm_features, missing):
+        background), every item with its data (from `refill` if `request` lacks it), and say so;
+        `fail(request_id, error)` if that fails. The caller resends a request once at most."""
+        if not missing or (refill is None and not carries_data_for(request.mm_features, missing)):
             return False
         self.cache_miss_resends += 1
         logger.warning("request %s: engine misses cached items %s; resending with data", request.request_id, missing)
         if self.mirror is not None:
             for key in missing:
                 self.mirror.invalidate(key)
-        task = asyncio.get_running_loop().create_task(self._resend(request, fail), name=f"resend-{request.request_id}")
+        if carries_data_for(request.mm_features, missing):
+            refill = None
+        task = asyncio.get_running_loop().create_task(self._resend(request, fail, refill), name=f"resend-{request.request_id}")
         self._resends.add(task)
         task.add_done_callback(self._resends.discard)
         return True
 
-    async def _resend(self, request: EngineCoreRequest, fail: Callable[[str, EngineError], None]) -> None:
+    async def _resend(self, request: EngineCoreRequest, fail: Callable[[str, EngineError], None], refill: Refill | None) -> None:
         try:
-            await self.send(request, force_data=True)
+            if refill is not None:
+                request = await refill()
+            if self._in_flight(request.request_id):  # (not aborted meanwhile)
+                await self.send(request, force_data=True)
         except EngineError as exc:
             fail(request.request_id, exc)
         except Exception as exc:

@@ -48,7 +48,8 @@ def expand_image_placeholders(
         start = position + 1
         features.append(
             MultiModalFeatureSpec(
-                data={field.name: _field_elem(field) for field in image.fields},
+                # No fields: the engine holds the image, sent by hash only (`ProcessedImage`).
+                data={field.name: _field_elem(field) for field in image.fields} if image.fields else None,
                 modality="image",
                 identifier=image.mm_hash,
                 mm_position=PlaceholderRange(offset=offset, length=image.num_tokens),

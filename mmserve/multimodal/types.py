@@ -50,6 +50,7 @@ class ImageField(msgspec.Struct, frozen=True):
 
 
 class ProcessedImage(msgspec.Struct, frozen=True):
+    # Empty for an image recalled without its pixels (`recent_images.py`), which the engine holds.
     fields: list[ImageField]
     # Placeholder tokens the image takes in the prompt.
     num_tokens: int

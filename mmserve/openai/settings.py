@@ -77,3 +77,5 @@ class ServingSettings:
     reasoning_parser: str | None
     # None: no authentication (the ingress also reads MMSERVE_API_KEY).
     api_key: str | None
+    # Changes whenever the preprocessor's settings do (`PreprocessorName.version`).
+    preprocessor_version: str

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+
+import msgspec
 
 from deployments.engine_client_server import EngineClientServer, EngineClientSettings
 from mmserve.builtin_engine.settings import DEFAULT_MODEL_DIR
 from mmserve.engine import EngineAddresses
 from mmserve.engine.outputs import CallerChannel
-from mmserve.multimodal import ImagesRefused
+from mmserve.multimodal import ImagesRefused, PixelMode, ProcessedImages, load_image_family, pixel_dtype_for
+from mmserve.vision import decode_rgb
 from mmserve.wire import EngineCoreRequest, SamplingParams
-from tests.support.defaults import builtin_engine_options, engine_client_settings
+from tests.support.defaults import builtin_engine_options, engine_client_settings, image_limits
+from tests.support.images import image_uri
 
 
 def _request(request_id: str) -> EngineCoreRequest:
@@ -115,3 +120,50 @@ def test_a_lost_node_fails_every_request_with_its_reason_and_stops_the_builtin_e
     assert failures == [("long", "the engine's node left the Ray cluster")]
     assert not builtin_alive
     assert unrecoverable == "the engine's node left the Ray cluster"
+
+
+def _image_request(request_id: str, placeholder: int) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id, [1, 2, placeholder, 3], None, SamplingParams(max_tokens=4, temperature=0.0), None, 0.0, None, None, None
+    )
+
+
+def test_recalled_images_the_engine_does_not_hold_are_processed_anew_or_the_request_refused():
+    """Images recalled without pixels (`RecentImages`) go by hash only only while the engine holds
+    them: otherwise `reprocess` gets their pixels first; a refusal then is the request's answer."""
+    family = load_image_family(DEFAULT_MODEL_DIR)
+    processed = ProcessedImages(
+        [family.process(decode_rgb(base64.b64decode(image_uri(64, 48, seed=5).split(",", 1)[1]), image_limits()), pixel_dtype_for(PixelMode.DEVICE_NORMALIZE, "bfloat16"))],
+        family.placeholder_token_id, family.name,
+    )  # fmt: skip
+    recalled = msgspec.structs.replace(processed, images=[msgspec.structs.replace(processed.images[0], fields=[])])
+    calls: list[str] = []
+
+    def reprocess(answer):
+        async def again():
+            calls.append("reprocess")
+            return answer
+
+        return again
+
+    async def run():
+        server = EngineClientServer(_settings(max_model_len=4096))
+        await server.start()
+        try:
+            pad = family.placeholder_token_id
+            busy = ImagesRefused("the image preprocessing queue is full; retry shortly", kind="busy", retry_after_s=1)
+            refused = await server.add(_image_request("r1", pad), recalled, CallerChannel(), reprocess(busy))
+            channel = CallerChannel()
+            admitted = await server.add(_image_request("r2", pad), recalled, channel, reprocess(processed))
+            sent_after_refill = (await server.info()).bytes_sent
+            by_hash = await server.add(_image_request("r3", pad), recalled, channel, reprocess(processed))
+            info = await server.info()
+            return refused, admitted, by_hash, info, info.bytes_sent - sent_after_refill
+        finally:
+            await server.shutdown()
+
+    refused, admitted, by_hash, info, by_hash_bytes = asyncio.run(run())
+    assert refused.refused is not None and (refused.refused.kind, refused.refused.retry_after_s) == ("busy", 1)
+    assert admitted.refused is None and by_hash.refused is None
+    assert calls == ["reprocess", "reprocess"]  # r1 (refused), r2 (the engine held nothing); not r3
+    assert info.mm_items_skipped == 1 and by_hash_bytes < 4096

@@ -117,3 +117,46 @@ def test_too_many_images(builtin_app):
     # The engine still serves.
     ok = builtin_app.openai().chat.completions.create(model="mmserve-builtin", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_repeated_image_goes_by_hash_without_the_preprocessor_and_comes_back_if_the_engine_lost_it(builtin_app):
+    """A multi-turn chat resends its images: a data URI the engine client had processed, which the
+    engine still holds, is recalled (`RecentImages`) and sent by hash only, no preprocessing; if the
+    engine lost it meanwhile (drift, here forced), its pixels are processed anew and the request
+    resent with them; an image never seen makes the whole request go to the preprocessor."""
+    client = builtin_app.openai()
+    client.chat.completions.create(model="mmserve-builtin", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    data, other = _image_bytes(200, 120, seed=41), _image_bytes(90, 60, seed=42)
+
+    def ask(*images: bytes) -> str:
+        parts = [{"type": "image_url", "image_url": {"url": _data_uri(image)}} for image in images]
+        resp = client.chat.completions.create(
+            model="mmserve-builtin", max_tokens=200, temperature=0,
+            messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is this?"}]}],
+        )  # fmt: skip
+        return resp.choices[0].message.content
+
+    def counts() -> tuple[int, int, int, int]:
+        info = builtin_app.engine_info()
+        return info.link_image_requests, info.link_images_recalled, info.mm_items_skipped, info.mm_cache_miss_resends
+
+    start = counts()
+    assert _expected_proof(data, 1) in ask(data)
+    first = counts()
+    assert (first[0] - start[0], first[1:]) == (1, start[1:])  # processed, sent with its pixels
+
+    before_bytes = builtin_app.engine_info().bytes_sent
+    assert _expected_proof(data, 1) in ask(data)
+    repeat = counts()
+    assert [a - b for a, b in zip(repeat, first)] == [1, 1, 1, 0]  # recalled, sent by hash
+    assert builtin_app.engine_info().bytes_sent - before_bytes < 4096
+
+    builtin_app.engine_utility("reset_mm_cache")  # the engine forgets it; the engine client does not know
+    assert _expected_proof(data, 1) in ask(data)
+    lost = counts()
+    assert [a - b for a, b in zip(lost, repeat)] == [1, 1, 1, 1]  # recalled, missed, processed anew and resent
+
+    text = ask(data, other)  # one image never seen: no recall, both processed
+    assert _expected_proof(data, 1) in text and _expected_proof(other, 2) in text
+    mixed = counts()
+    assert mixed[1] == lost[1]

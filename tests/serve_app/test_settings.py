@@ -88,3 +88,15 @@ def test_the_reasoning_parser_reaches_the_ingress_and_an_unknown_one_is_refused(
         assert serving_settings(AppConfig.model_validate({"reasoning_parser": name})).reasoning_parser == name
     with pytest.raises(pydantic.ValidationError, match="unknown reasoning_parser 'qwen'; this server has \\['deepseek_r1', 'qwen3'\\]"):
         AppConfig.model_validate({"reasoning_parser": "qwen"})
+
+
+def test_the_preprocessor_version_the_ingress_names_changes_with_the_preprocessor_settings_only():
+    """Engine clients recall what a preprocessor answered for an image only under the same version
+    (`PreprocessorName.version`): any change of how images are fetched, limited or processed is a
+    new one (an engine application's engine clients outlive a redeploy of the mmserve application)."""
+    version = lambda config: serving_settings(AppConfig.model_validate(config)).preprocessor_version  # noqa: E731
+    base = version({})
+    assert base and version({}) == base
+    assert version({"limits": {"max_n": 3}, "api_key": "k"}) == base
+    for images in ({"max_image_pixels": 100}, {"max_image_bytes": 1000}, {"allowed_hosts": ["a.example"]}, {"cache_bytes": 0}):
+        assert version({"images": images}) != base, images
