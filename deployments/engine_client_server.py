@@ -217,17 +217,17 @@ class EngineClientServer:
             return Admission(refused=refused)
         if isinstance(images, ImagesRefused):
             return _images_refused(images)
-        accepted = None
-        unexpanded = request
+        accepted = refill = None
         try:
             if images is not None:
-                request = attach_images(request, images)
+                unexpanded, request = request, attach_images(request, images)
                 # Checked before the prompt is announced (the engine client checks again on send).
                 request = admit(request, ready.max_model_len)
-                accepted = PromptAccepted(request.prompt_token_ids or [], len(images.images), images.preprocess_ms)
-            refill = None
-            if reprocess is not None and images is not None and any(not image.fields for image in images.images):
-                refill = _refill(unexpanded, request, reprocess, ready.max_model_len)
+                recalled = any(not image.fields for image in images.images)
+                preprocess_ms = None if recalled else images.preprocess_ms
+                accepted = PromptAccepted(request.prompt_token_ids or [], len(images.images), preprocess_ms)
+                if recalled and reprocess is not None:
+                    refill = _refill(unexpanded, request, reprocess, ready.max_model_len)
             await self.client.add(request, sink, refill)
         except PlaceholderMismatch as exc:
             return Admission(refused=RequestRefused("invalid", str(exc), "messages"))

@@ -27,8 +27,9 @@ class PromptAccepted(msgspec.Struct, frozen=True):
 
     prompt_token_ids: list[int]
     num_images: int = 0
-    # Time the preprocessing tier spent on this request's images.
-    preprocess_ms: float = 0.0
+    # Time the preprocessing tier spent on this request's images; None: none, the engine client
+    # recalled them (the engine held them all: `mmserve/multimodal/recent_images.py`).
+    preprocess_ms: float | None = 0.0
 
 
 class RequestRefused(msgspec.Struct, frozen=True):

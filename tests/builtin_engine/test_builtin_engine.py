@@ -572,7 +572,7 @@ async def test_interop_vllm_encoded_multimodal_request(vllm_codec, tokenizer):
     try:
         # Register a stream by hand: the frames come from vLLM's encoder, not EngineClient's.
         stream = RequestStream()
-        eng.client._requests["vllm-mm"] = _InFlight(vreq, stream)  # never resent: only its sink is used
+        eng.client._requests["vllm-mm"] = _InFlight(vreq, stream, None)  # never resent: only its sink is used
         await eng.client._transport.send([b"\x00", *frames])
         tokens, final = [], None
         async with asyncio.timeout(10):

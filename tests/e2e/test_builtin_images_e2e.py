@@ -119,6 +119,12 @@ def test_too_many_images(builtin_app):
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+def _preprocessed_images(app) -> float:
+    """Images the ingress observed a preprocessing time for (`/metrics`)."""
+    text = httpx.get(app.base_url + "/metrics", timeout=30).text
+    return float(re.search(r"^mmserve_preprocess_seconds_per_image_count (\S+)$", text, re.M).group(1))
+
+
 def test_a_repeated_image_goes_by_hash_without_the_preprocessor_and_comes_back_if_the_engine_lost_it(builtin_app):
     """A multi-turn chat resends its images: a data URI the engine client had processed, which the
     engine still holds, is recalled (`RecentImages`) and sent by hash only, no preprocessing; if the
@@ -145,11 +151,12 @@ def test_a_repeated_image_goes_by_hash_without_the_preprocessor_and_comes_back_i
     first = counts()
     assert (first[0] - start[0], first[1:]) == (1, start[1:])  # processed, sent with its pixels
 
-    before_bytes = builtin_app.engine_info().bytes_sent
+    before_bytes, preprocessed = builtin_app.engine_info().bytes_sent, _preprocessed_images(builtin_app)
     assert _expected_proof(data, 1) in ask(data)
     repeat = counts()
     assert [a - b for a, b in zip(repeat, first)] == [1, 1, 1, 0]  # recalled, sent by hash
     assert builtin_app.engine_info().bytes_sent - before_bytes < 4096
+    assert _preprocessed_images(builtin_app) == preprocessed  # no preprocessing time observed for it
 
     builtin_app.engine_utility("reset_mm_cache")  # the engine forgets it; the engine client does not know
     assert _expected_proof(data, 1) in ask(data)
