@@ -120,8 +120,8 @@ class EngineClient:
         # Watch for disconnects before anything else can go wrong.
         monitor = self._transport.watch_disconnects()
         config = self.config
+        self._transport.read_outputs(self._on_output)
         self._tasks = [
-            asyncio.create_task(self._output_loop(), name="engine-outputs"),
             asyncio.create_task(watch_disconnect(monitor, self._declare_dead), name="engine-monitor"),
             asyncio.create_task(probe_health(
                 self.call_utility, lambda: self.state is EngineState.READY, self._declare_hung,
@@ -239,35 +239,35 @@ class EngineClient:
                 raise EngineDeadError(self.death_reason) from None
             raise
 
-    async def _output_loop(self) -> None:
-        assert self._transport is not None
-        while True:
-            frames = await self._transport.recv_output()
-            try:
-                outputs = self._decoder.decode(frames)
-            except EngineDeadMessage:
-                self._declare_dead("engine reported ENGINE_CORE_DEAD")
-                return
-            except (msgspec.DecodeError, ValueError) as exc:
-                logger.error("undecodable engine output dropped: %s", exc)
+    def _on_output(self, frames: list[bytes]) -> None:
+        """One message from the engine's output socket (`EngineTransport.read_outputs`)."""
+        if self.state is not EngineState.READY:
+            return  # (declared dead: its requests failed already)
+        try:
+            outputs = self._decoder.decode(frames)
+        except EngineDeadMessage:
+            self._declare_dead("engine reported ENGINE_CORE_DEAD")
+            return
+        except (msgspec.DecodeError, ValueError) as exc:
+            logger.error("undecodable engine output dropped: %s", exc)
+            return
+        if outputs.scheduler_stats is not None:
+            self.scheduler_stats = outputs.scheduler_stats
+        if outputs.utility_output is not None:
+            self._utility_calls.answered(outputs.utility_output)
+        for output in outputs.outputs:
+            entry = self._requests.get(output.request_id)
+            if entry is None:
+                # Late output of an aborted or finished request, or someone else's id.
                 continue
-            if outputs.scheduler_stats is not None:
-                self.scheduler_stats = outputs.scheduler_stats
-            if outputs.utility_output is not None:
-                self._utility_calls.answered(outputs.utility_output)
-            for output in outputs.outputs:
-                entry = self._requests.get(output.request_id)
-                if entry is None:
-                    # Late output of an aborted or finished request, or someone else's id.
+            if output.finished:
+                missing = output.mm_cache_miss_hashes
+                if not entry.resent and self.adds.resend_on_cache_miss(entry.request, missing, self._fail, entry.refill):
+                    entry.resent = True  # once: the caller sees a normal answer
                     continue
-                if output.finished:
-                    missing = output.mm_cache_miss_hashes
-                    if not entry.resent and self.adds.resend_on_cache_miss(entry.request, missing, self._fail, entry.refill):
-                        entry.resent = True  # once: the caller sees a normal answer
-                        continue
-                    # Later outputs for this id (there should be none) are dropped.
-                    del self._requests[output.request_id]
-                entry.sink.put(output)
+                # Later outputs for this id (there should be none) are dropped.
+                del self._requests[output.request_id]
+            entry.sink.put(output)
 
     def _fail(self, request_id: str, error: EngineError) -> None:
         entry = self._requests.pop(request_id, None)

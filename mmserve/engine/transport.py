@@ -71,7 +71,9 @@ class EngineTransport:
         self._inputs = self._ctx.socket(zmq.ROUTER)
         # Fail loudly (EHOSTUNREACH) instead of dropping a request when the engine is gone.
         self._inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._outputs = self._ctx.socket(zmq.PULL)
+        # A plain socket read by a reader on its descriptor (`read_outputs`), not pyzmq's asyncio
+        # socket: its futures and event handling were a third of the relay's loop time per step.
+        self._outputs = zmq.Socket(self._ctx, zmq.PULL)
         for sock in (self._handshake, self._inputs, self._outputs):
             sock.setsockopt(zmq.LINGER, 0)
         # Outputs must never be dropped: no high-water mark on the receiving side.
@@ -86,6 +88,10 @@ class EngineTransport:
         self.frame_observer: Callable[[np.ndarray, zmq.Frame], None] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._last_output_at = 0.0
+        # The event loop whose reader drains the output socket (`read_outputs`), and how to wake it
+        # when a message waits although the descriptor said nothing (see `last_heard`).
+        self._reader_loop: asyncio.AbstractEventLoop | None = None
+        self._wake_reader: Callable[[], None] | None = None
         self.closed = False
 
     async def handshake(self, timeout_s: float) -> ReadyResponse:
@@ -152,20 +158,38 @@ class EngineTransport:
                 parts.append(frame)
         await self._inputs.send_multipart(parts, copy=False)
 
-    async def recv_output(self) -> list[bytes]:
-        frames = await self._outputs.recv_multipart()
-        self._last_output_at = time.monotonic()
-        return frames
+    def read_outputs(self, on_output: Callable[[list[bytes]], None]) -> None:
+        """From now until `close`, hand each message the engine sends to `on_output`, in order, on
+        this event loop, as it arrives: a reader on the socket's descriptor drains the socket, with
+        no future or task per message. `on_output` must not raise (what it raises is logged)."""
+        loop = asyncio.get_running_loop()
+        self._reader_loop = loop
+        self._wake_reader = lambda: loop.call_soon(self._drain_outputs, on_output)
+        loop.add_reader(self._outputs.FD, self._drain_outputs, on_output)
+        loop.call_soon(self._drain_outputs, on_output)  # (what arrived before)
+
+    def _drain_outputs(self, on_output: Callable[[list[bytes]], None]) -> None:
+        # zmq's descriptor signals a change, not a message: read until none is left, or it stays silent.
+        while not self.closed:
+            try:
+                frames = self._outputs.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._last_output_at = time.monotonic()
+            try:
+                on_output(frames)
+            except Exception:
+                logger.exception("engine output handler failed")
 
     def last_heard(self) -> float:
         """When the engine was last heard from (monotonic), the proof of life of a busy engine: when an
         output was last read, or now if one waits unread. zmq's I/O thread receives while this
         process's event loop is stalled (a loaded gateway), and a stalled loop must not take the
         engine's outputs for silence."""
-        # `get`, not `getsockopt`: pyzmq's asyncio socket re-arms its reader in `get` (reading EVENTS
-        # consumes the descriptor's edge); `getsockopt` is the base class's and would leave a waiting
-        # `recv_output` asleep.
-        if self._outputs.get(zmq.EVENTS) & zmq.POLLIN:
+        if self._outputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            # Reading EVENTS consumes the descriptor's signal: the reader must be woken by hand.
+            if self._wake_reader is not None:
+                self._wake_reader()
             return time.monotonic()
         return self._last_output_at
 
@@ -179,6 +203,8 @@ class EngineTransport:
         if self.closed:
             return
         self.closed = True
+        if self._reader_loop is not None and not self._reader_loop.is_closed() and not self._outputs.closed:
+            self._reader_loop.remove_reader(self._outputs.FD)
         if self._monitor is not None:
             self._inputs.disable_monitor()
             self._monitor.close(linger=0)

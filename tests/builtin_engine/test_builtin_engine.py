@@ -37,6 +37,7 @@ from mmserve.wire import (
 )
 
 from tests.support.defaults import builtin_engine_argv, builtin_engine_settings, engine_client_config
+from tests.support.engine_outputs import output_queue
 from tests.support.fatal_builtin_engine import fatal_engine_command
 
 MODEL_DIR = DEFAULT_MODEL_DIR
@@ -437,9 +438,10 @@ async def test_fatal_error_frame_on_the_wire():
     proc = subprocess.Popen(builtin_engine_argv(handshake, command=fatal_engine_command))
     try:
         await transport.handshake(60)
+        outputs = output_queue(transport)
         await transport.send(RequestEncoder().encode_utility(0, 1, "mmserve_test_fatal", []))
         async with asyncio.timeout(5):
-            assert await transport.recv_output() == [b"ENGINE_CORE_DEAD"]
+            assert await outputs.get() == [b"ENGINE_CORE_DEAD"]
         assert await asyncio.to_thread(proc.wait, 10) == 1
     finally:
         if proc.poll() is None:
@@ -483,6 +485,7 @@ async def test_interop_with_vllm_codec(vllm_codec, tokenizer):
     decoder = v["MsgpackDecoder"](v["EngineCoreOutputs"])
     try:
         await transport.handshake(60)
+        received = output_queue(transport)
         prompt = prompt_of(tokenizer, "Interoperability check.")
 
         async def collect(frames, request_id):
@@ -490,7 +493,7 @@ async def test_interop_with_vllm_codec(vllm_codec, tokenizer):
             tokens, final = [], None
             async with asyncio.timeout(10):
                 while final is None:
-                    outputs = decoder.decode(await transport.recv_output())
+                    outputs = decoder.decode(await received.get())
                     for out in outputs.outputs:
                         assert out.request_id == request_id
                         tokens += out.new_token_ids
@@ -520,7 +523,7 @@ async def test_interop_with_vllm_codec(vllm_codec, tokenizer):
         # Utility results decode as vLLM's UtilityResult.
         await transport.send(RequestEncoder().encode_utility(0, 41, "get_supported_tasks", []))
         async with asyncio.timeout(5):
-            outputs = decoder.decode(await transport.recv_output())
+            outputs = decoder.decode(await received.get())
         assert outputs.utility_output.call_id == 41 and outputs.utility_output.result.result == ["generate"]
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 from mmserve.engine.liveness import probe_health
+from tests.support.engine_outputs import output_queue
 
 INTERVAL_S, TIMEOUT_S = 0.05, 0.2
 
@@ -96,7 +97,7 @@ def test_an_output_waiting_unread_counts_as_heard_now():
             while transport.last_heard() == 0.0 and time.monotonic() < deadline:
                 time.sleep(0.01)  # the event loop is blocked: nothing reads the output
             assert time.monotonic() - transport.last_heard() < 0.1
-            assert await transport.recv_output() == [b"output"]
+            assert await asyncio.wait_for(output_queue(transport).get(), 2) == [b"output"]
             read_at = time.monotonic()
             time.sleep(0.2)
             assert 0 <= read_at - transport.last_heard() < 0.1  # read, nothing waiting: when it was read
@@ -108,9 +109,9 @@ def test_an_output_waiting_unread_counts_as_heard_now():
 
 
 def test_asking_whether_an_output_waits_does_not_swallow_the_readers_wake_up():
-    """zmq's socket descriptor is edge-triggered: reading `EVENTS` outside pyzmq's asyncio socket
-    consumes the edge, and a `recv` already waiting on the loop is then never woken (pyzmq's own `get`
-    re-arms it; `getsockopt` is bound to the base class and does not)."""
+    """zmq's socket descriptor signals a change, not a message: reading `EVENTS` (as `last_heard` does)
+    consumes that signal, and the reader waiting on the descriptor is then never woken unless
+    `last_heard` wakes it itself."""
     import zmq
 
     from mmserve.engine.transport import EngineAddresses, EngineTransport
@@ -120,7 +121,7 @@ def test_asking_whether_an_output_waits_does_not_swallow_the_readers_wake_up():
         engine = zmq.Context.instance().socket(zmq.PUSH)
         engine.connect(transport.output_address)
         try:
-            reader = asyncio.ensure_future(transport.recv_output())
+            reader = asyncio.ensure_future(output_queue(transport).get())
             await asyncio.sleep(0.05)  # the reader waits on the loop
             engine.send_multipart([b"output"])
             deadline = time.monotonic() + 2
