@@ -160,7 +160,7 @@ class EngineClientDeployment:
             yield encode(OutputBatch(replica=self.replica, requests_address=self._inbox.address, takes_images=True))
             while True:
                 outputs, failures, answers = await channel.take()
-                await outbox.send(encode(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures], answers)))
+                outbox.send_nowait(encode(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures], answers)))
         finally:
             outbox.close()
             if self._subscribers.get(caller) is task:

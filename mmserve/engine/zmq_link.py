@@ -150,21 +150,20 @@ class LinkInbox:
 
 
 class LinkOutbox:
-    """A sending end, connected to one inbox."""
+    """A sending end, connected to one inbox: a plain socket (pyzmq's asyncio one would watch its
+    descriptor on the loop and handle its every signal, for sends that never wait)."""
 
-    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None) -> None:
-        self._socket = (ctx or zmq.asyncio.Context.instance()).socket(zmq.PUSH)
+    def __init__(self, address: str, ctx: zmq.Context | None = None) -> None:
+        # zmq.asyncio's context by default: the one zmq I/O thread the process's other sockets use.
+        self._socket = zmq.Socket(ctx or zmq.asyncio.Context.instance(), zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
 
-    async def send(self, message: bytes) -> None:
-        await self._socket.send(message, copy=len(message) < 65536)
-
     def send_nowait(self, message: bytes) -> None:
-        """Hand `message` to zmq now, without the asyncio socket's future (it never waits: no
-        high-water mark)."""
-        zmq.Socket.send(self._socket, message, zmq.NOBLOCK, copy=len(message) < 65536)
+        """Hand `message` to zmq now (it never waits: no high-water mark, and the connection's pipe
+        exists from `connect` on, so zmq queues what the inbox has not taken yet)."""
+        self._socket.send(message, zmq.NOBLOCK, copy=len(message) < 65536)
 
     def close(self) -> None:
         self._socket.close(linger=0)

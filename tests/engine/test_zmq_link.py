@@ -130,7 +130,7 @@ def test_messages_arrive_in_order_small_and_large():
         try:
             messages = [b"first", b"x" * 200_000, b"", b"last"]
             for message in messages:
-                await outbox.send(message)
+                outbox.send_nowait(message)
             return messages, [await asyncio.wait_for(inbox.recv(), 5) for _ in messages]
         finally:
             outbox.close()
@@ -144,7 +144,7 @@ def test_close_stops_the_thread_and_unbinds_the_address():
     async def run():
         inbox = LinkInbox("127.0.0.1")
         outbox = LinkOutbox(inbox.address)
-        await outbox.send(b"one")
+        outbox.send_nowait(b"one")
         assert await asyncio.wait_for(inbox.recv(), 5) == b"one"  # the thread runs
         thread = inbox._reader._thread
         inbox.close()
@@ -154,19 +154,3 @@ def test_close_stops_the_thread_and_unbinds_the_address():
     address, alive = asyncio.run(run())
     assert not alive
     assert_bindable_soon(address)  # the socket closed, zmq's I/O thread unbinds it just after
-
-
-def test_send_nowait_keeps_order_with_awaited_sends():
-    async def run():
-        inbox = LinkInbox("127.0.0.1")
-        outbox = LinkOutbox(inbox.address)
-        try:
-            outbox.send_nowait(b"first")
-            await outbox.send(b"second")
-            outbox.send_nowait(b"y" * 100_000)
-            return [await asyncio.wait_for(inbox.recv(), 5) for _ in range(3)]
-        finally:
-            outbox.close()
-            inbox.close()
-
-    assert asyncio.run(run()) == [b"first", b"second", b"y" * 100_000]
