@@ -342,9 +342,8 @@ def _refill(unexpanded: EngineCoreRequest, sent: EngineCoreRequest, reprocess: R
         if isinstance(images, ImagesRefused):
             raise _RefillRefused(images)
         request = admit(attach_images(unexpanded, images), max_model_len)
-        if request.prompt_token_ids != sent.prompt_token_ids or [f.mm_hash for f in request.mm_features or []] != [
-            f.mm_hash for f in sent.mm_features or []
-        ]:
+        same_images = [f.mm_hash for f in request.mm_features or []] == [f.mm_hash for f in sent.mm_features or []]
+        if request.prompt_token_ids != sent.prompt_token_ids or not same_images:
             raise EngineError("the request's images processed again differ from those it was sent with")
         return request
 
