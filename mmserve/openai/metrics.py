@@ -105,6 +105,11 @@ class Metrics:
         self.engine_up = Gauge("mmserve_engine_ready", "1 if the engine is ready, else 0", ["engine"], registry=r)
         self.engine_in_flight = Gauge("mmserve_engine_requests_in_flight", "Engine requests in flight (queue depth)", ["engine"], registry=r)
         self.engine_bytes = Gauge("mmserve_engine_bytes_sent", "Bytes sent to the engine since its client started", ["engine"], registry=r)
+        self.engine_images_recalled = Gauge(
+            "mmserve_engine_image_requests_recalled",
+            "Image requests sent by hash only, not preprocessed: the engine held their images (since its client started)",
+            ["engine"], registry=r,
+        )  # fmt: skip
         self.resize_path = Gauge("mmserve_image_resize_path_info", "1 for the exact image resize in use (pillow-simd, numba-exact or numpy-exact)", ["path"], registry=r)
 
     def set_resize_path(self, active: str) -> None:

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import io
 import re
+import time
 
 import httpx
 import numpy as np
@@ -119,10 +120,17 @@ def test_too_many_images(builtin_app):
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
-def _preprocessed_images(app) -> float:
-    """Images the ingress observed a preprocessing time for (`/metrics`)."""
+def _metric(app, sample: str) -> float:
+    """One sample's value in the ingress's `/metrics`."""
     text = httpx.get(app.base_url + "/metrics", timeout=30).text
-    return float(re.search(r"^mmserve_preprocess_seconds_per_image_count (\S+)$", text, re.M).group(1))
+    found = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.M)
+    assert found is not None, f"{sample} is not in /metrics"
+    return float(found.group(1))
+
+
+def _preprocessed_images(app) -> float:
+    """Images the ingress observed a preprocessing time for."""
+    return _metric(app, "mmserve_preprocess_seconds_per_image_count")
 
 
 def test_a_repeated_image_goes_by_hash_without_the_preprocessor_and_comes_back_if_the_engine_lost_it(builtin_app):
@@ -157,6 +165,11 @@ def test_a_repeated_image_goes_by_hash_without_the_preprocessor_and_comes_back_i
     assert [a - b for a, b in zip(repeat, first)] == [1, 1, 1, 0]  # recalled, sent by hash
     assert builtin_app.engine_info().bytes_sent - before_bytes < 4096
     assert _preprocessed_images(builtin_app) == preprocessed  # no preprocessing time observed for it
+    recalled_metric = 'mmserve_engine_image_requests_recalled{engine="0"}'
+    deadline = time.monotonic() + 10  # (the ingress refreshes what it knows of an engine every few seconds)
+    while _metric(builtin_app, recalled_metric) != repeat[1] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metric(builtin_app, recalled_metric) == repeat[1]
 
     builtin_app.engine_utility("reset_mm_cache")  # the engine forgets it; the engine client does not know
     assert _expected_proof(data, 1) in ask(data)
