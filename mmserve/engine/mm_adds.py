@@ -50,10 +50,8 @@ class EngineAdds:
     async def send(self, request: EngineCoreRequest, *, force_data: bool = False, refill: Refill | None = None) -> EngineCoreRequest:
         """Send `request` (its items by hash where the engine holds them); returns it as sent (with
         `refill`: refilled first if the engine might not hold an item it carries without data)."""
-        mirror = self.mirror
-        if not request.mm_features or (mirror is None and refill is None):
-            await self._send(self._encoder.encode_add(request))
-            self.requests_sent += 1
+        if not request.mm_features or (self.mirror is None and refill is None):
+            await self._send_prepared(request, force_data)  # (no mirror to update in wire order: no lock)
             return request
         async with self._lock:
             if refill is None or self.holds(feature_key(f) for f in request.mm_features if f.data is None):
@@ -71,16 +69,16 @@ class EngineAdds:
 
     async def _send_prepared(self, request: EngineCoreRequest, force_data: bool) -> None:
         mirror = self.mirror
-        if mirror is None:
+        if mirror is None or not request.mm_features:
             await self._send(self._encoder.encode_add(request))
             self.requests_sent += 1
             return
-        features = mirror.prepare(request.mm_features or [], force_data=force_data)
+        features = mirror.prepare(request.mm_features, force_data=force_data)
         try:
             await self._send(self._encoder.encode_add(msgspec.structs.replace(request, mm_features=features)))
         except BaseException:
             # The engine may not have these items: never send them by hash on our word alone.
-            for feature in request.mm_features or []:
+            for feature in request.mm_features:
                 mirror.invalidate(feature_key(feature))
             raise
         self.requests_sent += 1
@@ -93,16 +91,18 @@ class EngineAdds:
         """If the engine lost items of `request` that were sent by hash, resend it (in the
         background), every item with its data (from `refill` if `request` lacks it), and say so;
         `fail(request_id, error)` if that fails. The caller resends a request once at most."""
-        if not missing or (refill is None and not carries_data_for(request.mm_features, missing)):
+        if not missing:
+            return False
+        has_data = carries_data_for(request.mm_features, missing)
+        if not has_data and refill is None:
             return False
         self.cache_miss_resends += 1
         logger.warning("request %s: engine misses cached items %s; resending with data", request.request_id, missing)
         if self.mirror is not None:
             for key in missing:
                 self.mirror.invalidate(key)
-        if carries_data_for(request.mm_features, missing):
-            refill = None
-        task = asyncio.get_running_loop().create_task(self._resend(request, fail, refill), name=f"resend-{request.request_id}")
+        resend = self._resend(request, fail, None if has_data else refill)
+        task = asyncio.get_running_loop().create_task(resend, name=f"resend-{request.request_id}")
         self._resends.add(task)
         task.add_done_callback(self._resends.discard)
         return True

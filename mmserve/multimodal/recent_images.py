@@ -59,19 +59,21 @@ class RecentImages:
 
     def recall(self, keys: list[ImageKey]) -> ProcessedImages | None:
         """The request's images, without pixels, if every one is remembered (all of one family)."""
-        found = [self._entries.get(key) for key in keys]
-        if not found or any(entry is None for entry in found):
+        found: list[_Recalled] = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            found.append(entry)
+        if not found:
             return None
         first = found[0]
-        assert first is not None
-        if any(e.placeholder_token_id != first.placeholder_token_id or e.family != first.family for e in found):  # type: ignore[union-attr]
+        if any(e.placeholder_token_id != first.placeholder_token_id or e.family != first.family for e in found):
             return None
         for key in keys:
             self._entries.move_to_end(key)
         return ProcessedImages(
-            images=[entry.image for entry in found],  # type: ignore[union-attr]
-            placeholder_token_id=first.placeholder_token_id,
-            family=first.family,
+            images=[entry.image for entry in found], placeholder_token_id=first.placeholder_token_id, family=first.family
         )
 
     def remember(self, keys: list[ImageKey], images: ProcessedImages) -> None:
