@@ -377,6 +377,12 @@ class WorkloadRun:
         seconds = self.cpu.role_s(role) if label is None else self.cpu.seconds.get(role, {}).get(label, 0.0)
         return seconds / self.ok * 1e3
 
+    def ms_per_request_less_idle(self, role: str, idle_cores: float) -> float:
+        """CPU ms per request beyond what the role burns doing nothing (`idle_cores` over this phase's wall time)."""
+        if not self.ok:
+            return float("nan")
+        return (self.cpu.role_s(role) - idle_cores * self.cpu.wall_s) / self.ok * 1e3
+
 
 @dataclass
 class SystemRun:
@@ -390,6 +396,13 @@ class SystemRun:
 
     def workload(self, name: str) -> WorkloadRun | None:
         return next((w for w in self.workloads if w.workload == name), None)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SystemRun:
+        """The inverse of `asdict`, for a report rebuilt from a saved JSON (`--report-from`)."""
+        workloads = [WorkloadRun(**{**w, "cpu": CpuUse(**w["cpu"])}) for w in d["workloads"]]
+        idle = CpuUse(**d["idle"]) if d.get("idle") else None
+        return cls(**{**d, "idle": idle, "workloads": workloads})
 
 
 def run_workload(url: str, w: Workload, bodies: list[dict[str, Any]], meter: ProcessMeter, max_s: float) -> WorkloadRun:
@@ -788,6 +801,22 @@ class Report:
         rows.append(f"| other jobs' load during the workloads, cores (median) | {fmt(other[0], 2)} · {fmt(other[1], 2)} | | | | | | | | |")
         return "\n".join(rows)
 
+    def less_idle(self) -> str:
+        """Gateway CPU per request less what the gateway burns idle over the same time (each run's own idle phase):
+        the cost a request adds, apart from the floor a small deployment pays whether it serves or not."""
+        v, m = SYSTEMS["vllm"], SYSTEMS["mmserve"]
+        rows = ["| workload | gateway CPU ms/request, vLLM · mmserve | idle's share of it, vLLM · mmserve "
+                "| less idle, vLLM · mmserve | **ratio less idle** |", "|---|---:|---:|---:|---:|"]
+        for w in WORKLOADS:
+            cells = []
+            whole = [self.wl(s, w.name, lambda x: x.ms_per_request(GATEWAY)) for s in (v, m)]
+            net = [med([x.ms_per_request_less_idle(GATEWAY, r.idle.role_s(GATEWAY) / r.idle.wall_s)
+                        for r in self.of(s) if r.idle is not None and (x := r.workload(w.name)) is not None]) for s in (v, m)]
+            cells = [" · ".join(fmt(a) for a in whole), " · ".join(fmt(a - b) for a, b in zip(whole, net)),
+                     " · ".join(fmt(a) for a in net), ratio(*net)]
+            rows.append(f"| {w.name} | " + " | ".join(cells) + " |")
+        return "\n".join(rows)
+
     def by_process(self) -> str:
         """Gateway CPU ms per request (idle: cores) of each process label, medians over runs."""
         rows = ["| system: process (processes) | " + " | ".join(w.name for w in WORKLOADS) + " | idle, cores |",
@@ -898,6 +927,10 @@ def write_report(out: Path, runs: list[SystemRun], meta: dict[str, Any]) -> str:
         "", "### Headline", "", report.headline(), "",
         "TPOT with 8 tokens out is coarse: on a small machine a request's chunks often reach the client in one burst "
         "(client or server waiting for a core), which puts its p50 near 0; request latency (below) is the robust measure there.",
+        "", "### Gateway CPU per request less the gateway's idle cost", "",
+        "The idle phase's gateway cores × the workload's wall time ÷ its requests is what the gateway would have "
+        "burnt over that time serving nothing (Ray's floor, for mmserve); the rest is what the requests added.", "",
+        report.less_idle(),
         "", "### Gateway CPU by process, ms per request (idle: cores)", "", report.by_process(),
         "", "### All metrics (medians over runs)", "", report.all_metrics(),
         "", "### Ratios per run (mmserve ÷ vLLM)", "", report.per_run(), "",
@@ -929,7 +962,16 @@ def main() -> None:
                              "default), or `vllm serve --headless` started on its own; the same flags either way")
     parser.add_argument("--client-group-nice", type=int, default=CLIENT_GROUP_NICE,
                         help="niceness of the client's scheduling group while the bench runs (0: the default weight)")
+    parser.add_argument("--report-from", metavar="FILE.json",
+                        help="run nothing: rewrite the markdown report of a saved JSON (to --out, default beside it)")
     args = parser.parse_args()
+    if args.report_from:
+        saved = json.loads(Path(args.report_from).read_text())
+        meta = {k: v for k, v in saved.items() if k != "results"}
+        out = Path(args.out or Path(args.report_from).with_suffix(".md"))
+        write_report(out, [SystemRun.from_json(r) for r in saved["results"]], meta)
+        print(f"wrote {out}")
+        return
     setups = args.setups.split(",")
     if unknown := set(setups) - set(SYSTEMS):
         parser.error(f"unknown setups {sorted(unknown)}")

@@ -1,6 +1,6 @@
 """What the gateway burns doing nothing, by process, with README's command and with Ray settings that cut it.
 
-    .venv/bin/python bench/idle_bench.py [--seconds 30] [--runs 3] [--variant NAME=K=V[,K=V...] ...] [--out FILE.md]
+    .venv/bin/python bench/idle_bench.py [--seconds 30] [--runs 3] [--variant NAME=K=V[,K=V...] ...] [--ray-floor] [--out FILE.md]
 
 Starts the service as README's quick start does (`serve run serve_app:app` with README's environment,
 the built-in engine), waits until it answers a chat, lets it settle, then reads the CPU time of every
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +51,63 @@ def cpu_seconds(procs: list[psutil.Process]) -> dict[int, tuple[str, float]]:
     return out
 
 
+# A Ray instance with nothing but two do-nothing actors (one sync, one async): it prints their pids, then
+# waits for its stdin to close.
+RAY_FLOOR_SCRIPT = """
+import os, sys, ray
+ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+
+@ray.remote
+class Idle:
+    def pid(self):
+        return os.getpid()
+
+@ray.remote
+class AsyncIdle:
+    async def pid(self):
+        return os.getpid()
+
+actors = [Idle.remote(), AsyncIdle.remote()]
+print(*ray.get([a.pid.remote() for a in actors]), flush=True)
+sys.stdin.read()
+"""
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of a process, by thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def ray_floor(seconds: float, settle_s: float) -> list[tuple[float, float]]:
+    """(cores of the whole process, cores of its main thread) of each do-nothing Ray actor over `seconds`.
+    Every Ray worker's main thread wakes every 10 ms to check for signals (`CoreWorker::RunTaskExecutionLoop`,
+    not configurable in Ray 2.60): this is what each replica, the Serve controller and proxy pay idle."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    with subprocess.Popen([str(fb.GATEWAY_VENV_BIN / "python"), "-c", RAY_FLOOR_SCRIPT], env=env, text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        time.sleep(settle_s)
+        before = {pid: thread_cpu_seconds(pid) for pid in pids}
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        after = {pid: thread_cpu_seconds(pid) for pid in pids}
+        wall = time.monotonic() - t0
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    return [(sum(cpu - before[pid].get(tid, 0.0) for tid, cpu in after[pid].items()) / wall,
+             (after[pid][pid] - before[pid][pid]) / wall) for pid in pids]
+
+
 def measure(env: dict[str, str], port: int, seconds: float, settle_s: float) -> dict[str, float]:
     """Cores per process label over `seconds` of idleness."""
     with tempfile.TemporaryDirectory(prefix="idle_bench_") as tmp, fb.quick_start_serving(env, port, Path(tmp) / "serve.log") as (_, pid):
@@ -72,11 +131,17 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--variant", action="append", default=[], help="NAME=K=V[,K=V...]: Ray settings added to README's")
     parser.add_argument("--out")
+    parser.add_argument("--ray-floor", action="store_true",
+                        help="also measure, once per run, a Ray instance holding only two do-nothing actors")
     args = parser.parse_args()
     variants = {v.split("=", 1)[0]: dict(kv.split("=", 1) for kv in v.split("=", 1)[1].split(",") if kv) for v in args.variant} or DEFAULT_VARIANTS
     _, readme_env, port = fb.readme_quick_start()
     results: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+    floors: list[tuple[float, float]] = []
     for run in range(args.runs):
+        if args.ray_floor:
+            floors += ray_floor(args.seconds, args.settle)
+            print(f"run {run + 1} Ray's floor: {floors[-2:]} (process, main thread) cores per do-nothing actor", flush=True)
         for name, extra in variants.items():
             cores = measure(fb.serve_environment(readme_env, extra), port, args.seconds, args.settle)
             results[name].append(cores)
@@ -92,6 +157,10 @@ def main() -> None:
              "| **gateway total** | " + " | ".join(f"**{totals[n]:.3f}**" for n in variants) + " |"]
     lines += [f"| {label} | " + " | ".join(f"{median[n][label]:.3f}" for n in variants) + " |" for label in labels
               if max(median[n][label] for n in variants) >= 0.0005]
+    if floors:
+        lines += ["", f"A do-nothing Ray actor (Ray's floor: what each replica, the Serve controller and its proxies pay idle), "
+                      f"median of {len(floors)} actors (a sync and an async one per run): **{statistics.median(f[0] for f in floors):.4f}** cores, "
+                      f"of which its main thread's 10-ms signal check {statistics.median(f[1] for f in floors):.4f}."]
     text = "\n".join(lines)
     print(text)
     if args.out:
