@@ -808,7 +808,6 @@ class Report:
         rows = ["| workload | gateway CPU ms/request, vLLM · mmserve | idle's share of it, vLLM · mmserve "
                 "| less idle, vLLM · mmserve | **ratio less idle** |", "|---|---:|---:|---:|---:|"]
         for w in WORKLOADS:
-            cells = []
             whole = [self.wl(s, w.name, lambda x: x.ms_per_request(GATEWAY)) for s in (v, m)]
             net = [med([x.ms_per_request_less_idle(GATEWAY, r.idle.role_s(GATEWAY) / r.idle.wall_s)
                         for r in self.of(s) if r.idle is not None and (x := r.workload(w.name)) is not None]) for s in (v, m)]
