@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import frontend_bench as fb  # noqa: E402  (puts the repository on sys.path)
+from replica_threads import thread_cpu  # noqa: E402
 
 import psutil  # noqa: E402
 
@@ -73,20 +74,6 @@ sys.stdin.read()
 """
 
 
-def thread_cpu_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of a process, by thread id."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
 def ray_floor(seconds: float, settle_s: float) -> list[tuple[float, float]]:
     """(cores of the whole process, cores of its main thread) of each do-nothing Ray actor over `seconds`.
     Every Ray worker's main thread wakes every 10 ms to check for signals (`CoreWorker::RunTaskExecutionLoop`,
@@ -97,10 +84,10 @@ def ray_floor(seconds: float, settle_s: float) -> list[tuple[float, float]]:
         assert proc.stdin is not None and proc.stdout is not None
         pids = [int(x) for x in proc.stdout.readline().split()]
         time.sleep(settle_s)
-        before = {pid: thread_cpu_seconds(pid) for pid in pids}
+        before = {pid: {tid: cpu for tid, (_, cpu) in thread_cpu(pid).items()} for pid in pids}
         t0 = time.monotonic()
         time.sleep(seconds)
-        after = {pid: thread_cpu_seconds(pid) for pid in pids}
+        after = {pid: {tid: cpu for tid, (_, cpu) in thread_cpu(pid).items()} for pid in pids}
         wall = time.monotonic() - t0
         proc.stdin.close()
         proc.wait(timeout=60)
