@@ -27,11 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import frontend_bench as fb  # noqa: E402  (puts the repository on sys.path)
 import image_chat_bench as ic  # noqa: E402
+from ingress_profile import BODY, IMAGE_REPLICAS  # noqa: E402  (the profile's load: the same requests)
 
 import psutil  # noqa: E402
 
-REPLICAS = {"Ingress": ":Ingress", "EngineClient0": ":EngineClient0", "Preprocessor": ":Preprocessor"}
-MODEL = "mmserve-builtin"
 PY_SPY_THREAD = re.compile(r'Thread (0x[0-9A-Fa-f]+|\d+) \((?:idle|active)[^)]*\): "([^"]+)"')
 
 
@@ -56,11 +55,11 @@ def python_thread_names(pid: int) -> dict[int, str]:
 
 
 def bodies(images: bool, count: int) -> list[dict]:
+    """`ingress_profile`'s text request, or its image chat with a distinct image each."""
     if not images:
-        return [{"model": MODEL, "stream": True, "max_tokens": 64, "ignore_eos": True, "temperature": 0,
-                 "messages": [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]}] * count
+        return [BODY] * count
     maker = ic.ImageMaker(*fb.IMAGE_SIZE)
-    return [{**fb.image_body(maker.uri(seed), 8), "model": MODEL} for seed in range(1, count + 1)]
+    return [{**fb.image_body(maker.uri(seed), 8), "model": BODY["model"]} for seed in range(1, count + 1)]
 
 
 def main() -> None:
@@ -78,7 +77,7 @@ def main() -> None:
         url = f"{base}/v1/chat/completions"
         asyncio.run(ic.closed_loop(url, warm, 4, 60))
         replicas = {name: proc.pid for proc in psutil.Process(pid).children(recursive=True)
-                    for name, tag in REPLICAS.items() if tag in fb.cmdline(proc)}
+                    for name, tag in IMAGE_REPLICAS.items() if tag in fb.cmdline(proc)}
         before = {name: thread_cpu(p) for name, p in replicas.items()}
         streams, elapsed, failed = asyncio.run(ic.closed_loop(url, load, args.concurrency, args.seconds))
         after = {name: thread_cpu(p) for name, p in replicas.items()}
