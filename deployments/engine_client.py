@@ -11,11 +11,11 @@ waits on the same addresses (`EngineClientServer`); `check_health` fails only if
 
 Each ingress replica holds one Ray call open here (`subscribe`); beside it, over ZMQ, its
 requests and aborts arrive at this replica's inbox, and their answers and outputs leave for the
-caller's inbox, merged per engine step (`mmserve.engine.zmq_link`): Ray carries nothing from the
-ingress per request and nothing per token. For an image request this replica calls the
-preprocessor the request names; the pixels come back by reference, read here zero-copy from Ray's
-object store. (A request sent as a Ray call, `add`, brings the preprocessor's response with it,
-resolved here by Ray.)
+caller's inbox, merged per engine step (`mmserve.zmq_link`): Ray carries nothing from the
+ingress per request and nothing per token. For an image request this replica has the preprocessor
+the request names process its images, over the preprocessing link (`link_images.py`): the pixels
+come back as ZMQ frames and go on to the engine uncopied. (A request sent as a Ray call, `add`,
+brings the preprocessor's response with it, resolved here by Ray from its object store.)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ray import serve
 from mmserve.engine import EngineDeadError, EngineNotReadyError
 from mmserve.engine.outputs import CallerChannel
 from mmserve.engine.frame_diagnostics import FrameTrace
-from mmserve.engine.zmq_link import LinkInbox, LinkOutbox
+from mmserve.zmq_link import LinkInbox, LinkOutbox
 from mmserve.multimodal import ImagesRefused, ProcessedImages
 from mmserve.protocol import (
     NOT_THIS_ENGINE, AbortRequests, AddAnswer, AddFailed, Admission, EngineInfo, ImageRequest, OutputBatch,
@@ -104,7 +104,7 @@ class EngineClientDeployment:
         self._link_tasks: set[asyncio.Task[None]] = set()
         self._link_requests = 0
         self._link_image_requests = 0
-        self._images = LinkImages(lambda mm_hashes: self.server.client.adds.holds(mm_hashes))
+        self._images = LinkImages(lambda mm_hashes: self.server.client.adds.holds(mm_hashes), node_ip())
         self._link_reader = loop.create_task(self._read_link(), name="engine-client-inbox")
 
     def _channel(self, caller: str) -> CallerChannel[AddAnswer]:
@@ -143,7 +143,7 @@ class EngineClientDeployment:
 
     async def subscribe(self, caller: str, inbox: str, engine: str = "") -> AsyncIterator[bytes]:
         """The caller's output stream: one `OutputBatch` naming this replica, here; then, over ZMQ
-        to the caller's `inbox` (see `mmserve.engine.zmq_link`), batches of its requests' outputs
+        to the caller's `inbox` (see `mmserve.zmq_link`), batches of its requests' outputs
         and failures, each as soon as the previous one is on its way. This call stays open as
         long as the link: it ends (and aborts the caller's requests) when the caller cancels it or
         dies. A stream meant for another replica ends at once."""
@@ -281,6 +281,7 @@ class EngineClientDeployment:
         return msgspec.structs.replace(
             await self.server.info(), link_requests=self._link_requests, link_image_requests=self._link_image_requests,
             link_images_recalled=self._images.recalled,
+            link_images_over_preprocessing_link=self._images.over_preprocessing_link,
         )
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -317,4 +318,5 @@ class EngineClientDeployment:
     async def __del__(self) -> None:
         self._link_reader.cancel()
         self._inbox.close()
+        self._images.close()
         await self.server.shutdown()

@@ -1,7 +1,7 @@
 """One engine client as an ingress replica reaches it: a Serve handle for its Ray calls, ZMQ links for its requests and outputs, Ray's failures typed.
 
 `HandleEngineConnection` adapts an engine client's `DeploymentHandle` (and the links its
-subscription opens, `mmserve.engine.zmq_link`) to `mmserve.openai.engine_router.EngineConnection`;
+subscription opens, `mmserve.zmq_link`) to `mmserve.openai.engine_router.EngineConnection`;
 `HandleEngineCall` is one request on it. Where the engines come from (a deployment, a pool, engine
 applications) is `deployments/router.py`'s business.
 """
@@ -19,7 +19,7 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from mmserve.engine import EngineDeadError, EngineNotReadyError
-from mmserve.engine.zmq_link import LinkInbox, LinkOutbox
+from mmserve.zmq_link import LinkInbox, LinkOutbox
 from mmserve.openai.engine_outputs import OutputDemux, RequestOutputs
 from mmserve.openai.engine_router import ReplicaLostError
 from mmserve.openai.pending_images import PendingImages

@@ -17,41 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from .engine_pool_autoscaling import EngineSaturationPolicy
-from .engine_pool_members import publish_members
-
-# The argument by which every call to a pool names the replica it is meant for.
-ENGINE_ARGUMENT = "engine"
+from .replica_router import NamedReplicaRouter
 
 
-class EngineReplicaRouter(RequestRouter):
-    """Delivers a call to the replica its `engine` argument names; publishes the replica list.
+class EngineReplicaRouter(NamedReplicaRouter):
+    """Delivers a call to the replica its `engine` argument names (`replica_router.py`); a call
+    naming a replica that is gone is refused there as not its own (`WrongEngineError`): the ingress
+    then treats it as a lost replica and routes again."""
 
-    A call naming a replica that is gone (it was stopped between the ingress's choice and this
-    call) goes to any replica, which refuses it as not its own (`WrongEngineError`): the ingress
-    then treats it as a lost replica and routes again. A call naming no engine goes to any replica."""
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        ids = tuple(sorted(replica.replica_id.unique_id for replica in replicas))
-        publish_members(self._deployment_id.app_name, self._deployment_id.name, ids)
-
-    async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
-    ) -> list[list[RunningReplica]]:
-        if pending_request is None:
-            return [candidate_replicas]
-        # Serve's routing loop retries a request whose chosen replica could not take it at once: with
-        # no back-off it would spin on this process's event loop without ever yielding it.
-        pending_request.routing_context.should_backoff = True
-        target: Any = pending_request.kwargs.get(ENGINE_ARGUMENT)
-        if target:
-            for replica in candidate_replicas:
-                if replica.replica_id.unique_id == target:
-                    return [[replica]]
-        return [candidate_replicas]
+    ARGUMENT = "engine"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The images of requests that reach an engine client over the link (`ImageRequest`).
 
 The engine client gets their pixels itself: it has the preprocessor the request names process
-them (`preprocessor_calls.py`), or, when every image is a data URI it saw before and the engine
+them (`preprocessor_calls.py`: over the preprocessing link once attached to its replicas), or, when every image is a data URI it saw before and the engine
 still holds, recalls them without pixels (`RecentImages`) and sends the request at once by hash
 only, keeping the way to process them anew should the engine have let them go meanwhile.
 """
@@ -22,11 +22,11 @@ from .preprocessor_calls import PreprocessorCalls
 class LinkImages:
     """One engine client's images for link requests; each processing cancellable by its caller and
     request id (an abort, the caller's end). `engine_holds(mm_hashes)`: whether the engine holds
-    those images now."""
+    those images now; `host`: the address this replica's preprocessing answers arrive at."""
 
-    def __init__(self, engine_holds: Callable[[Iterable[str]], bool]) -> None:
+    def __init__(self, engine_holds: Callable[[Iterable[str]], bool], host: str) -> None:
         self._engine_holds = engine_holds
-        self._preprocessors = PreprocessorCalls()
+        self._preprocessors = PreprocessorCalls(host)
         self._recent = RecentImages()
         self._processing: dict[tuple[str, str], asyncio.Future[ProcessedImages | ImagesRefused]] = {}
         # Requests whose images were recalled, not processed (`EngineInfo.link_images_recalled`).
@@ -62,6 +62,13 @@ class LinkImages:
     def cancel(self, caller: str, request_id: str) -> None:
         if (processing := self._processing.get((caller, request_id))) is not None:
             processing.cancel()
+
+    @property
+    def over_preprocessing_link(self) -> int:
+        return self._preprocessors.over_link
+
+    def close(self) -> None:
+        self._preprocessors.close()
 
     def cancel_caller(self, caller: str) -> None:
         for (of_caller, _), processing in list(self._processing.items()):

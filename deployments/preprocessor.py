@@ -1,33 +1,47 @@
 """Preprocessor deployment: the CPU-heavy image tier, autoscaled on its own, with its options beside it.
 
-Its return value (`ProcessedImages`, numpy arrays inside) is written once to the Ray object
-store and read where it is sent to the engine, the engine client, which either called this
-replica itself or was handed the ingress's response unawaited (`preprocessor_calls.py`): the
-pixels go from this replica to the engine client's ZMQ socket with no further copy. (An answer
-under Ray's 100-KiB inline limit, a small image's, is returned inline to the caller instead:
-cheap at that size.)
+Its work comes two ways. Engine clients send their link requests' images over the preprocessing
+link (`mmserve.multimodal.preprocessing_server`): each attaches with one long-lived Serve call
+(`subscribe`), then sends jobs to this replica's inbox, and the pixels come back as ZMQ frames,
+no Ray call per image request. A request the ingress sends as Ray calls (`n` > 1, or before its
+link to the engine client is open) calls `process` through Serve: the answer (`ProcessedImages`,
+numpy arrays inside) is written once to the Ray object store and read zero-copy by the engine
+client that was handed the ingress's response unawaited (`preprocessor_calls.py`). Both ways go
+through the replica's own admission (`replica_admission.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from ray import serve
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from mmserve.fetch import FetchPolicy
 from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages, load_image_family
 from mmserve.multimodal.errors import ImageInputError, PreprocessorBusyError, images_refused
+from mmserve.multimodal.preprocessing_link import PreprocessorHello
+from mmserve.multimodal.preprocessing_server import PreprocessingServer
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
+from mmserve.multimodal.replica_admission import ReplicaAdmission
 from mmserve.vision import resize_path, warm_up_resize
 
 from .inline_args import join_payloads
+from .preprocessor_autoscaling import PREPROCESSOR_REQUESTS_METRIC, preprocessor_load_policy
+from .ray_node import node_ip
 from .replica_logs import log_package_to_replica
+from .replica_router import NamedReplicaRouter
 
 logger = logging.getLogger("ray.serve")
+
+# Engine clients attached to one replica at most (each holds one `subscribe` call open there).
+ATTACHMENTS_PER_REPLICA = 1024
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,10 @@ class PreprocessorSettings:
     pixel_mode: str  # for the start-up log: the ingress asks per request
     # Threads decoding and resizing at once: the CPUs the replica reserves (`preprocessor.num_cpus`).
     pixel_threads: int
+    # Image requests worked on at once, and waiting beyond them (`preprocessor.max_ongoing_requests`,
+    # `preprocessor.max_queued_requests`): enforced by the replica (`ReplicaAdmission`).
+    max_ongoing_requests: int
+    max_queued_requests: int
 
 
 @dataclass(frozen=True)
@@ -59,20 +77,23 @@ class PreprocessorScaling:
     max_queued_requests: int
 
     def options(self) -> dict[str, Any]:
-        """`PreprocessorDeployment.options(...)` for this scaling."""
+        """`PreprocessorDeployment.options(...)` for this scaling. The replica admits its image
+        requests itself (`PreprocessorSettings.max_ongoing_requests`); Serve's own limit only has to
+        leave room for them and for the engine clients' attachments."""
         return {
             "ray_actor_options": {"num_cpus": self.num_cpus},
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "max_queued_requests": self.max_queued_requests,
-            "autoscaling_config": {
-                "min_replicas": self.min_replicas,
-                "max_replicas": self.max_replicas,
-                "target_ongoing_requests": self.target_ongoing_requests,
-                "upscale_delay_s": self.upscale_delay_s,
-                "downscale_delay_s": self.downscale_delay_s,
-                "look_back_period_s": self.look_back_period_s,
-                "metrics_interval_s": min(1.0, self.look_back_period_s / 2),
-            },
+            "max_ongoing_requests": self.max_ongoing_requests + self.max_queued_requests + ATTACHMENTS_PER_REPLICA,
+            "autoscaling_config": AutoscalingConfig(
+                min_replicas=self.min_replicas,
+                max_replicas=self.max_replicas,
+                target_ongoing_requests=self.target_ongoing_requests,
+                upscale_delay_s=self.upscale_delay_s,
+                downscale_delay_s=self.downscale_delay_s,
+                look_back_period_s=self.look_back_period_s,
+                metrics_interval_s=min(1.0, self.look_back_period_s / 2),
+                policy=AutoscalingPolicy(policy_function=preprocessor_load_policy),
+            ),
+            "request_router_config": RequestRouterConfig(request_router_class=NamedReplicaRouter),
         }
 
 
@@ -85,12 +106,19 @@ def build_preprocessor(settings: PreprocessorSettings) -> ImagePreprocessor:
     )
 
 
+class WrongReplicaError(RuntimeError):
+    """An attachment meant for another replica, which was stopped meanwhile (`replica_router.py`)."""
+
+
 # No access line per call: each is one image request, which the ingress's access line records.
 @serve.deployment(name="Preprocessor", logging_config={"enable_access_log": False})
 class PreprocessorDeployment:
     def __init__(self, settings: PreprocessorSettings) -> None:
         log_package_to_replica()
         self.preprocessor = build_preprocessor(settings)
+        self.admission = ReplicaAdmission(settings.max_ongoing_requests, settings.max_queued_requests)
+        self.link = PreprocessingServer(self._answer, node_ip())
+        self.replica = _replica_id()
         warm_up_resize()  # compiling the resize takes ≈2 s (0.3 s from numba's cache): now, not in a request
         logger.info(
             "preprocessor for %s images (pixel mode %s; image resize path: %s; %d pixel thread(s))",
@@ -100,12 +128,43 @@ class PreprocessorDeployment:
     async def process(
         self, request: ImageBatchRequest, piece_counts: list[int] | None = None, *pieces: str
     ) -> ProcessedImages | ImagesRefused:
-        """A refusal is an answer, not a failure: one INFO line here, a 400, 413 or 503 for the client.
-        With `piece_counts`, the request's payloads came cut into `pieces` (`inline_args.py`)."""
+        """A request's images as a Serve call. With `piece_counts`, the request's payloads came cut
+        into `pieces` (`inline_args.py`)."""
         if piece_counts is not None:
             request = msgspec.structs.replace(request, urls=join_payloads(piece_counts, pieces))
+        return await self._answer(request)
+
+    async def subscribe(self, reply_to: str, replica: str | None = None) -> AsyncIterator[PreprocessorHello]:
+        """An engine client attaches for as long as this call lasts: it learns this replica's inbox
+        (the one item), then sends jobs there, answered at its inbox `reply_to`."""
+        if replica and self.replica and replica != self.replica:
+            raise WrongReplicaError(f"this preprocessor replica is {self.replica}, not {replica}")
+        self.link.attach(reply_to)
         try:
-            return await self.preprocessor.process(request)
+            yield PreprocessorHello(self.link.address, self.replica)
+            await asyncio.Event().wait()
+        finally:
+            self.link.detach(reply_to)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric (`preprocessor_autoscaling.py`)."""
+        return {PREPROCESSOR_REQUESTS_METRIC: float(self.admission.load)}
+
+    async def _answer(self, request: ImageBatchRequest) -> ProcessedImages | ImagesRefused:
+        """A refusal is an answer, not a failure: one INFO line here, a 400, 413 or 503 for the client."""
+        try:
+            async with self.admission.admitted():
+                return await self.preprocessor.process(request)
         except (ImageInputError, PreprocessorBusyError) as exc:
             logger.info("image refused: %s", str(exc)[:300])
             return images_refused(exc)
+
+    async def __del__(self) -> None:
+        self.link.close()
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not in a replica (tests)
+        return ""

@@ -2,7 +2,7 @@
 
 Not vLLM's wire (that is `mmserve/wire`, which mirrors vLLM only). Each ingress replica subscribes
 once to each engine client (one long-lived Ray call); beside it, over ZMQ
-(`mmserve.engine.zmq_link`), the replica sends its requests and aborts (`LinkRequest`) to the
+(`mmserve.zmq_link`), the replica sends its requests and aborts (`LinkRequest`) to the
 engine client's inbox, and the engine client sends back `OutputBatch`es: the answers to those
 requests and the outputs of all the replica's requests since the previous batch, merged while the
 ingress lags. An image request names the preprocessor, which the engine client calls itself, so
@@ -190,6 +190,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # Of those, requests whose images were recalled, not processed: the engine held them all
     # (`mmserve/multimodal/recent_images.py`).
     link_images_recalled: int = 0
+    # Of those processed, how many went over the preprocessing link (the rest: as Serve calls, before
+    # the engine client was attached to a preprocessor replica).
+    link_images_over_preprocessing_link: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

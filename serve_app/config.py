@@ -245,9 +245,10 @@ class PreprocessorDeploymentConfig(BaseModel):
     upscale_delay_s: float = 2.0
     downscale_delay_s: float = 10.0
     look_back_period_s: float = 2.0
-    max_ongoing_requests: int = 8
-    # Requests waiting for a preprocessor replica; beyond: 503 with Retry-After.
-    max_queued_requests: int = 64
+    # Image requests a replica works on at once (each waits for a pixel thread inside).
+    max_ongoing_requests: int = Field(default=8, ge=1)
+    # Image requests waiting at a replica beyond those; beyond: 503 with Retry-After.
+    max_queued_requests: int = Field(default=64, ge=0)
 
 
 class AppConfig(BaseModel):

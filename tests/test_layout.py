@@ -37,11 +37,13 @@ MMSERVE_DEPENDS_ON: dict[str, set[str]] = {
     "mmserve.model_files": {"mmserve.tokenizer_files"},
     "mmserve.fetch": set(),
     "mmserve.vision": set(),
+    # The ZMQ links between the gateway's processes (ingress ↔ engine client, engine client ↔ preprocessor).
+    "mmserve.zmq_link": set(),
     # (The protocol carries image requests as the preprocessor takes them: `ImageBatchRequest`.)
     "mmserve.protocol": {"mmserve.wire", "mmserve.multimodal"},
     "mmserve.engine": {"mmserve.wire"},
     "mmserve.text": {"mmserve.model_files", "mmserve.tokenizer_files"},
-    "mmserve.multimodal": {"mmserve.wire", "mmserve.model_files", "mmserve.fetch", "mmserve.vision", "mmserve.text"},
+    "mmserve.multimodal": {"mmserve.wire", "mmserve.model_files", "mmserve.fetch", "mmserve.vision", "mmserve.text", "mmserve.zmq_link"},
     "mmserve.builtin_engine": {"mmserve.wire", "mmserve.model_files", "mmserve.launcher"},
     "mmserve.launcher": set(),
     "mmserve.openai": {
@@ -220,7 +222,8 @@ def test_each_module_says_what_it_holds(module):
 CALLED_FROM_OUTSIDE = {
     "deployments/engine_client.py::launcher_status": "the launched engine's process tree and restarts, for operators",
     "deployments/engine_client.py::record_autoscaling_stats": "called by Ray Serve (an engine pool's custom autoscaling metric)",
-    "deployments/engine_pool.py::choose_replicas": "called by Ray Serve (the request-router API)",
+    "deployments/replica_router.py::choose_replicas": "called by Ray Serve (the request-router API)",
+    "deployments/preprocessor.py::record_autoscaling_stats": "called by Ray Serve (the preprocessor's custom autoscaling metric)",
 }
 
 

@@ -105,6 +105,9 @@ def test_preprocessor_replica_killed_mid_request(serve_instance, image_dir):
         warm = {}
         _post(app, _images_body(image_dir, 0, stream=False), warm)
         assert warm["status"] == 200, warm
+        # Attached to the preprocessor: the requests below go over the preprocessing link.
+        wait_for(lambda: _post(app, _images_body(image_dir, 0, stream=False), {}) or
+                 app.engine_info().link_images_over_preprocessing_link > 0, 30, "the preprocessing link in use", interval_s=0.2)
         sent = app.engine_info().requests_sent
         results = [dict() for _ in range(4)]
         threads = [threading.Thread(target=_post, args=(app, _images_body(image_dir, i, stream=i % 2 == 1), r))

@@ -1,7 +1,7 @@
 """`preprocessor.max_queued_requests`: image requests beyond the preprocessing tier's queue are
 answered at once with a 503 and `Retry-After`, in OpenAI's error shape, while the ones it holds wait
-their turn; the engine receives none of the refused. (The queue is Serve's, at the preprocessor's
-callers: the engine clients, which call it for the requests that come over their links.)"""
+their turn; the engine receives none of the refused. (The queue is the replica's own,
+`ReplicaAdmission`: its requests come over the preprocessing link and as Serve calls.)"""
 
 from __future__ import annotations
 

@@ -1,16 +1,17 @@
-"""Pixels go from the preprocessor to the engine's socket with one write and no copy.
+"""Pixels go from the preprocessor to the engine's socket with no copy but the sockets' own.
 
-The preprocessor's return value is written once into Ray's object store. The engine client
-must hand ZMQ that very memory (a read-only mapping of the object store's shared-memory
-file), and the ingress must never map the object store at all: on either path, the engine
-client calling the preprocessor itself (a request over the link) or resolving the response of
-the ingress's call (a request as Ray calls: `n` > 1).
+Over the ingress's link (`n` = 1) the engine client has the preprocessor process the images over
+the preprocessing link: it must hand the engine's socket the very ZMQ frame the pixels arrived in.
+As Ray calls (`n` > 1) the engine client resolves the ingress's preprocessing call, whose answer
+Ray wrote once into its object store: it must hand ZMQ that very memory (a read-only mapping of
+the object store's shared-memory file), and the ingress must never map it at all.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import time
 
 import numpy as np
 import pytest
@@ -45,14 +46,30 @@ def zerocopy_app(serve_instance):
     serve.delete("zerocopy", _blocking=True)
 
 
+def _attached(app) -> None:
+    """Image requests until one goes over the preprocessing link (the engine client attaches to the
+    preprocessor's replicas on its first image request; until then it calls them through Serve)."""
+    for attempt in range(20):
+        before = app.engine_info().link_images_over_preprocessing_link
+        app.openai().chat.completions.create(
+            model="mmserve-builtin", max_tokens=1,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_uri(64 + attempt, 48)}}]}],
+        )
+        if app.engine_info().link_images_over_preprocessing_link > before:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the engine client never attached to the preprocessor")
+
+
 @pytest.mark.parametrize("n", [1, 2], ids=["over-the-link", "as-ray-calls"])
-def test_engine_client_sends_object_store_memory_and_ingress_never_maps_it(zerocopy_app, n):
+def test_engine_client_sends_the_memory_the_pixels_arrived_in_and_ingress_never_maps_it(zerocopy_app, n):
     from ray import serve
 
     app = zerocopy_app
     app.openai().chat.completions.create(  # the ingress's link to the engine client is open
         model="mmserve-builtin", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
     )
+    _attached(app)
     before = app.engine_info()
     family = load_image_family(BUILTIN_MODEL_DIR)
     width, height = 640, 480
@@ -66,7 +83,9 @@ def test_engine_client_sends_object_store_memory_and_ingress_never_maps_it(zeroc
         max_tokens=8, n=n,
     )
     assert resp.choices[0].message.content
-    assert app.engine_info().link_image_requests - before.link_image_requests == (1 if n == 1 else 0)
+    after = app.engine_info()
+    assert after.link_image_requests - before.link_image_requests == (1 if n == 1 else 0)
+    assert after.link_images_over_preprocessing_link - before.link_images_over_preprocessing_link == (1 if n == 1 else 0)
     rows = family.num_tokens(width + n, height) * 4
 
     engine_client = app.engine_handle()
@@ -76,9 +95,13 @@ def test_engine_client_sends_object_store_memory_and_ingress_never_maps_it(zeroc
     trace = pixel_frames[-1]
     # ZMQ's frame is the array itself, not a copy of it ...
     assert trace.frame_address == trace.array_address
-    # ... and the array is the object store's read-only shared memory, as written by the preprocessor.
-    assert "/dev/shm/plasma" in trace.mapping, trace
     assert not trace.array_writeable
+    if n == 1:
+        # ... and the array is the frame the preprocessing link received (never Ray's object store).
+        assert trace.received_zmq_frame and "/dev/shm/plasma" not in trace.mapping, trace
+        return
+    # ... and the array is the object store's read-only shared memory, as written by the preprocessor.
+    assert "/dev/shm/plasma" in trace.mapping and not trace.received_zmq_frame, trace
 
     # The engine client did read those pages (ZMQ sent them) ...
     engine_pid = engine_client.pid.remote().result(timeout_s=30)

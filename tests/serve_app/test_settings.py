@@ -42,8 +42,14 @@ def test_preprocessor_settings_and_options():
     explicit = AppConfig.model_validate({"images": '{"max_pixels_in_flight": 30000000}'})  # as from the CLI
     assert preprocessor_settings(explicit).limits.max_pixels_in_flight == 30_000_000
     assert isinstance(settings.model_dir, Path)
+    assert (settings.max_ongoing_requests, settings.max_queued_requests) == (8, 64)  # the replica admits (ReplicaAdmission)
     options = preprocessor_scaling(config).options()
-    assert options["autoscaling_config"]["max_replicas"] == 2 and options["autoscaling_config"]["metrics_interval_s"] == 1.0
+    autoscaling = options["autoscaling_config"]
+    assert autoscaling.max_replicas == 2 and autoscaling.metrics_interval_s == 1.0
+    assert autoscaling.policy.policy_function == "deployments.preprocessor_autoscaling.preprocessor_load_policy"
+    assert options["request_router_config"].request_router_class == "deployments.replica_router.NamedReplicaRouter"
+    # Serve's own limit leaves room for the requests the replica admits and the engine clients' attachments.
+    assert options["max_ongoing_requests"] > 8 + 64
 
 
 def test_routing_settings_reach_the_router_and_bad_values_are_refused():

@@ -1,0 +1,143 @@
+"""An engine client's end of the preprocessing link: jobs to the preprocessor replicas, answers back at its own inbox.
+
+The engine client binds one inbox for answers (multipart: pixels as frames of their own) and knows,
+per preprocessor deployment, the replicas it is attached to (`PreprocessorReplicas`: the Ray side,
+`deployments/preprocessor_calls.py`, attaches and detaches them as Serve's replica list changes). A
+job goes to the attached replica with the fewest of this client's jobs; the replica itself admits,
+queues or refuses it (`replica_admission.py`). A replica lost under a job fails it (`ReplicaLost`),
+for the caller to try once more; one being taken away (scaled down) gets no new jobs and is
+detached once its jobs have answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+import logging
+from collections.abc import Callable
+
+from mmserve.zmq_link import LinkInbox, LinkOutbox
+
+from .preprocessing_link import AnswerFramesError, CancelJobs, PreprocessJob, decode_answer, encode_message
+from .types import ImageBatchRequest, ImagesRefused, ProcessedImages
+
+logger = logging.getLogger("ray.serve")
+
+
+class ReplicaLost(Exception):
+    """The preprocessor replica doing a job was lost (died, or stopped) before it answered."""
+
+
+class NoReplicaAttached(Exception):
+    """No replica of the deployment is attached yet (or none is left): use the Serve call."""
+
+
+class PreprocessingInbox:
+    """Where every replica's answers to this engine client arrive, matched to their jobs."""
+
+    def __init__(self, host: str) -> None:
+        self._inbox = LinkInbox(host, name="preprocessing-answers", multipart=True)
+        self.address = self._inbox.address
+        self._jobs = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[ProcessedImages | ImagesRefused]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    def expect(self) -> tuple[int, asyncio.Future[ProcessedImages | ImagesRefused]]:
+        """A new job's id and the future its answer will resolve."""
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read(), name="preprocessing-answers", context=contextvars.Context())
+        job = next(self._jobs)
+        answer = self._waiting[job] = asyncio.get_running_loop().create_future()
+        return job, answer
+
+    def forget(self, job: int) -> None:
+        self._waiting.pop(job, None)
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._inbox.recv_frames()
+            try:
+                answer = decode_answer(frames)
+            except AnswerFramesError as exc:
+                logger.warning("engine client: an unreadable preprocessing answer (%d frames): %s", len(frames), exc)
+                continue
+            future = self._waiting.pop(answer.job, None)
+            if future is not None and not future.done():
+                future.set_result(answer.answer)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._inbox.close()
+
+
+class AttachedReplica:
+    """One preprocessor replica as this engine client sends it jobs."""
+
+    def __init__(self, address: str) -> None:
+        self.outbox = LinkOutbox(address)
+        self.jobs: dict[int, asyncio.Future[ProcessedImages | ImagesRefused]] = {}
+        self.leaving = False
+
+
+class PreprocessorReplicas:
+    """One preprocessor deployment's replicas this engine client is attached to. `detached(replica)`
+    is called when a leaving replica's last job has answered (the Ray side then ends its attachment)."""
+
+    def __init__(self, inbox: PreprocessingInbox, detached: Callable[[str], None]) -> None:
+        self._inbox = inbox
+        self._detached = detached
+        self._replicas: dict[str, AttachedReplica] = {}
+
+    def __contains__(self, replica: str) -> bool:
+        return replica in self._replicas
+
+    def attach(self, replica: str, address: str) -> None:
+        if replica not in self._replicas:
+            self._replicas[replica] = AttachedReplica(address)
+
+    def leave(self, replica: str) -> None:
+        """No new jobs for `replica`; detached once its jobs have answered."""
+        if (attached := self._replicas.get(replica)) is not None:
+            attached.leaving = True
+            self._detach_if_done(replica, attached)
+
+    def lost(self, replica: str) -> None:
+        """The replica is gone: its jobs fail with `ReplicaLost`."""
+        attached = self._replicas.pop(replica, None)
+        if attached is None:
+            return
+        for job, answer in attached.jobs.items():
+            self._inbox.forget(job)
+            if not answer.done():
+                answer.set_exception(ReplicaLost(f"preprocessor replica {replica} was lost"))
+        attached.outbox.close()
+
+    async def process(self, request: ImageBatchRequest) -> ProcessedImages | ImagesRefused:
+        """The request's images, from the attached replica with the fewest of these jobs."""
+        candidates = [(len(r.jobs), name) for name, r in self._replicas.items() if not r.leaving]
+        if not candidates:
+            raise NoReplicaAttached()
+        replica = min(candidates)[1]
+        attached = self._replicas[replica]
+        job, answer = self._inbox.expect()
+        attached.jobs[job] = answer
+        attached.outbox.send_nowait(encode_message(PreprocessJob(self._inbox.address, job, request)))
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            # (Cancelling this task cancels the future it awaits: `answer` has no result then.)
+            if (answer.cancelled() or not answer.done()) and self._replicas.get(replica) is attached:
+                attached.outbox.send_nowait(encode_message(CancelJobs(self._inbox.address, [job])))
+            raise
+        finally:
+            self._inbox.forget(job)
+            if attached.jobs.pop(job, None) is not None:
+                self._detach_if_done(replica, attached)
+
+    def _detach_if_done(self, replica: str, attached: AttachedReplica) -> None:
+        if attached.leaving and not attached.jobs and self._replicas.get(replica) is attached:
+            del self._replicas[replica]
+            attached.outbox.close()
+            self._detached(replica)

@@ -1,0 +1,94 @@
+"""A preprocessor replica's end of the preprocessing link: jobs in at its inbox, answers out to each sender's.
+
+The replica binds one inbox (`zmq_link.LinkInbox`) for its life. A sender (an engine client) first
+attaches, naming its own inbox (a Serve call that stays open as long as the sender uses this
+replica: `PreprocessorDeployment.subscribe`), then sends `PreprocessJob`s and `CancelJobs` here;
+each job runs as a task of its own and its answer leaves at once, pixels as frames of their own
+(`preprocessing_link.py`). A sender that detaches (it stopped using the replica, or died) takes its
+jobs with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from mmserve.zmq_link import LinkInbox, LinkOutbox
+
+from .preprocessing_link import CancelJobs, PreprocessJob, decode_message, encode_answer
+from .types import ImageBatchRequest, ImagesRefused, ProcessedImages
+
+logger = logging.getLogger("ray.serve")
+
+Process = Callable[[ImageBatchRequest], Awaitable[ProcessedImages | ImagesRefused]]
+
+
+class PreprocessingServer:
+    """Runs `process` for the jobs arriving at its inbox, bound on `host`; `in_flight` counts them
+    (the replica's load, for autoscaling)."""
+
+    def __init__(self, process: Process, host: str) -> None:
+        self._process = process
+        self._inbox = LinkInbox(host, name="preprocessor-inbox")
+        self.address = self._inbox.address
+        self._senders: dict[str, LinkOutbox] = {}
+        self._jobs: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._jobs)
+
+    def attach(self, reply_to: str) -> None:
+        """Answer jobs from the sender whose inbox is `reply_to` (starts reading on the first)."""
+        if self._reader is None:
+            # Its own context: not the context of the Serve call that happened to attach first.
+            self._reader = asyncio.get_running_loop().create_task(self._read(), name="preprocessor-inbox", context=contextvars.Context())
+        if reply_to not in self._senders:
+            self._senders[reply_to] = LinkOutbox(reply_to)
+
+    def detach(self, reply_to: str) -> None:
+        """The sender is gone or done with this replica: cancel its jobs, close the way to it."""
+        for key in [key for key in self._jobs if key[0] == reply_to]:
+            self._jobs.pop(key).cancel()
+        if (outbox := self._senders.pop(reply_to, None)) is not None:
+            outbox.close()
+
+    def close(self) -> None:
+        for reply_to in list(self._senders):
+            self.detach(reply_to)
+        if self._reader is not None:
+            self._reader.cancel()
+        self._inbox.close()
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            data = await self._inbox.recv()
+            try:
+                message = decode_message(data)
+            except msgspec.DecodeError as exc:
+                logger.warning("preprocessor: an unreadable message on its inbox (%d bytes): %s", len(data), exc)
+                continue
+            if isinstance(message, CancelJobs):
+                for job in message.jobs:
+                    if (task := self._jobs.pop((message.reply_to, job), None)) is not None:
+                        task.cancel()
+            elif message.reply_to not in self._senders:
+                # Detached meanwhile (its Serve call ended): nobody waits for the answer.
+                logger.info("preprocessor: job %d from a sender no longer attached, dropped", message.job)
+            else:
+                key = (message.reply_to, message.job)
+                self._jobs[key] = loop.create_task(self._run(message), name="preprocessor-job", context=contextvars.Context())
+
+    async def _run(self, message: PreprocessJob) -> None:
+        try:
+            answer = await self._process(message.request)
+        finally:
+            self._jobs.pop((message.reply_to, message.job), None)
+        if (outbox := self._senders.get(message.reply_to)) is not None:
+            outbox.send_frames_nowait(encode_answer(message.job, answer))
