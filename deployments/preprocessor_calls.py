@@ -89,6 +89,11 @@ class PreprocessorLinks:
             else:
                 self._end_attachment(replica)
 
+    def close(self) -> None:
+        """End every attachment (Ray would not end these calls when this process exits)."""
+        for replica in list(self._attachments):
+            self._end_attachment(replica)
+
     def _end_attachment(self, replica: str) -> None:
         if (attachment := self._attachments.pop(replica, None)) is not None:
             attachment.cancel()
@@ -127,7 +132,8 @@ class PreprocessorCalls:
     def __init__(self, host: str | None = None) -> None:
         self._host = host
         self._inbox: PreprocessingInbox | None = None
-        self._links: dict[PreprocessorName, PreprocessorLinks] = {}
+        # By application and deployment: a new version of its settings is served by the same replicas' successors.
+        self._links: dict[tuple[str, str], PreprocessorLinks] = {}
         self._handles: dict[PreprocessorName, HandlePreprocessing] = {}
         # Requests answered over the preprocessing link (`EngineInfo.link_images_over_preprocessing_link`).
         self.over_link = 0
@@ -150,17 +156,19 @@ class PreprocessorCalls:
         return await self._call(request, name)
 
     def close(self) -> None:
+        for links in self._links.values():
+            links.close()
         if self._inbox is not None:
             self._inbox.close()
 
     def _links_of(self, name: PreprocessorName) -> PreprocessorLinks | None:
         if self._host is None:
             return None
-        links = self._links.get(name)
+        links = self._links.get((name.app, name.deployment))
         if links is None:
             if self._inbox is None:
                 self._inbox = PreprocessingInbox(self._host)
-            links = self._links[name] = PreprocessorLinks(name, self._inbox)
+            links = self._links[(name.app, name.deployment)] = PreprocessorLinks(name, self._inbox)
         return links
 
     def _handle(self, name: PreprocessorName) -> HandlePreprocessing:

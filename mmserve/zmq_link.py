@@ -160,11 +160,15 @@ class LinkOutbox:
     """A sending end, connected to one inbox: a plain socket (pyzmq's asyncio one would watch its
     descriptor on the loop and handle its every signal, for sends that never wait)."""
 
-    def __init__(self, address: str, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, address: str, ctx: zmq.Context | None = None, *, connected_only: bool = False) -> None:
         # zmq.asyncio's context by default: the one zmq I/O thread the process's other sockets use.
         self._socket = zmq.Socket(ctx or zmq.asyncio.Context.instance(), zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if connected_only:
+            # Sends raise `zmq.Again` while the inbox is not connected (its process died) instead of
+            # queueing for it: what would wait for a peer that never comes back is never kept.
+            self._socket.setsockopt(zmq.IMMEDIATE, 1)
         self._socket.connect(address)
 
     def send_nowait(self, message: bytes) -> None:

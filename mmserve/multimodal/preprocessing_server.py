@@ -5,7 +5,9 @@ attaches, naming its own inbox (a Serve call that stays open as long as the send
 replica: `PreprocessorDeployment.subscribe`), then sends `PreprocessJob`s and `CancelJobs` here;
 each job runs as a task of its own and its answer leaves at once, pixels as frames of their own
 (`preprocessing_link.py`). A sender that detaches (it stopped using the replica, or died) takes its
-jobs with it.
+jobs with it. One that died without detaching leaves its attachment open (Ray does not end a
+streaming call whose caller died) until the replica stops, but no answers kept for it: answers are
+sent only while its inbox is connected.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import msgspec
+import zmq
 
 from mmserve.zmq_link import LinkInbox, LinkOutbox
 
@@ -23,6 +26,12 @@ from .preprocessing_link import CancelJobs, PreprocessJob, decode_message, encod
 from .types import ImageBatchRequest, ImagesRefused, ProcessedImages
 
 logger = logging.getLogger("ray.serve")
+
+# An answer whose sender's inbox is not connected is tried again this often, this many times (5 s),
+# then dropped: a sender that died leaves no answers queued for it (a Serve call, `subscribe`, does
+# not end when its caller dies).
+UNDELIVERED_RETRY_S = 0.05
+UNDELIVERED_TRIES = 100
 
 Process = Callable[[ImageBatchRequest], Awaitable[ProcessedImages | ImagesRefused]]
 
@@ -49,7 +58,7 @@ class PreprocessingServer:
             # Its own context: not the context of the Serve call that happened to attach first.
             self._reader = asyncio.get_running_loop().create_task(self._read(), name="preprocessor-inbox", context=contextvars.Context())
         if reply_to not in self._senders:
-            self._senders[reply_to] = LinkOutbox(reply_to)
+            self._senders[reply_to] = LinkOutbox(reply_to, connected_only=True)
 
     def detach(self, reply_to: str) -> None:
         """The sender is gone or done with this replica: cancel its jobs, close the way to it."""
@@ -90,5 +99,14 @@ class PreprocessingServer:
             answer = await self._process(message.request)
         finally:
             self._jobs.pop((message.reply_to, message.job), None)
-        if (outbox := self._senders.get(message.reply_to)) is not None:
-            outbox.send_frames_nowait(encode_answer(message.job, answer))
+        frames = encode_answer(message.job, answer)
+        for _ in range(UNDELIVERED_TRIES):
+            if (outbox := self._senders.get(message.reply_to)) is None:
+                return  # detached meanwhile: nobody waits for it
+            try:
+                outbox.send_frames_nowait(frames)
+                return
+            except zmq.Again:  # not connected: the sender died, or its connection is being remade
+                await asyncio.sleep(UNDELIVERED_RETRY_S)
+        logger.warning("preprocessor: the answer to job %d could not be delivered to %s for %.0f s: dropped",
+                       message.job, message.reply_to, UNDELIVERED_TRIES * UNDELIVERED_RETRY_S)

@@ -221,3 +221,36 @@ def test_a_detached_senders_jobs_are_cancelled_and_its_later_jobs_dropped():
             inbox.close()
 
     _run(scenario)
+
+
+def test_an_answer_for_a_sender_whose_inbox_is_gone_is_dropped_not_kept(monkeypatch, caplog):
+    import mmserve.multimodal.preprocessing_server as server_module
+
+    monkeypatch.setattr(server_module, "UNDELIVERED_TRIES", 4)
+
+    async def scenario():
+        release = asyncio.Event()
+
+        async def held(request: ImageBatchRequest):
+            await release.wait()
+            return _images(1)
+
+        replica = Replica(held)
+        inbox = PreprocessingInbox(HOST)
+        replicas = PreprocessorReplicas(inbox, detached=lambda name: None)
+        replica.server.attach(inbox.address)
+        replicas.attach("r1", replica.server.address)
+        try:
+            job = asyncio.ensure_future(replicas.process(_request("u1")))
+            await _until(lambda: replica.started == ["u1"])
+            inbox.close()  # the engine client's process is gone: its inbox's connection with it
+            await asyncio.sleep(0.3)
+            release.set()
+            await _until(lambda: "could not be delivered" in caplog.text)
+            assert replica.server.in_flight == 0
+            job.cancel()
+        finally:
+            replica.server.close()
+
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        _run(scenario)
