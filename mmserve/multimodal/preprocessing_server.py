@@ -97,6 +97,9 @@ class PreprocessingServer:
     async def _run(self, message: PreprocessJob) -> None:
         try:
             answer = await self._process(message.request)
+        except Exception as exc:  # the preprocessor's own bug: logged here, a 503 for the client
+            logger.exception("preprocessor: job %d failed", message.job)
+            answer = ImagesRefused(f"image preprocessing failed: {type(exc).__name__}; retry shortly", kind="busy", retry_after_s=1)
         finally:
             self._jobs.pop((message.reply_to, message.job), None)
         frames = encode_answer(message.job, answer)

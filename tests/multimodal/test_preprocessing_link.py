@@ -254,3 +254,25 @@ def test_an_answer_for_a_sender_whose_inbox_is_gone_is_dropped_not_kept(monkeypa
 
     with caplog.at_level("WARNING", logger="ray.serve"):
         _run(scenario)
+
+
+def test_a_job_that_fails_is_answered_as_busy_and_logged_with_its_traceback(caplog):
+    async def scenario():
+        async def broken(request: ImageBatchRequest):
+            raise RuntimeError("a bug")
+
+        replica = Replica(broken)
+        inbox = PreprocessingInbox(HOST)
+        replicas = PreprocessorReplicas(inbox, detached=lambda name: None)
+        replica.server.attach(inbox.address)
+        replicas.attach("r1", replica.server.address)
+        try:
+            answer = await replicas.process(_request("u1"))
+            assert isinstance(answer, ImagesRefused) and answer.kind == "busy" and "RuntimeError" in answer.message
+        finally:
+            replica.server.close()
+            inbox.close()
+
+    with caplog.at_level("ERROR", logger="ray.serve"):
+        _run(scenario)
+    assert "job 1 failed" in caplog.text and "a bug" in caplog.text
