@@ -60,9 +60,11 @@ class PreprocessorLinks:
     attachment to each of its replicas (a `subscribe` call held open there), made and ended as this
     process's Serve router hears the replica list change (`replica_router.py`)."""
 
-    def __init__(self, name: PreprocessorName, inbox: PreprocessingInbox) -> None:
-        # Options make the handle start its router now, which then hears of the replicas.
-        self.handle = serve.get_deployment_handle(name.deployment, app_name=name.app).options(stream=True)
+    def __init__(self, name: PreprocessorName, inbox: PreprocessingInbox, handle: DeploymentHandle) -> None:
+        # Options make the handle start its router now (shared with `handle`'s other options: one
+        # router per deployment in this process, each pushing Serve's metrics every second), which
+        # then hears of the replicas.
+        self.handle = handle.options(stream=True)
         self.name = name
         self._inbox = inbox
         self.replicas = PreprocessorReplicas(inbox, self._end_attachment)
@@ -135,6 +137,8 @@ class PreprocessorCalls:
         # By application and deployment: a new version of its settings is served by the same replicas' successors.
         self._links: dict[tuple[str, str], PreprocessorLinks] = {}
         self._handles: dict[PreprocessorName, HandlePreprocessing] = {}
+        # One Serve handle per deployment, both ways derived from it: one router between them.
+        self._deployment_handles: dict[tuple[str, str], DeploymentHandle] = {}
         # Requests answered over the preprocessing link (`EngineInfo.link_images_over_preprocessing_link`).
         self.over_link = 0
 
@@ -168,16 +172,20 @@ class PreprocessorCalls:
         if links is None:
             if self._inbox is None:
                 self._inbox = PreprocessingInbox(self._host)
-            links = self._links[(name.app, name.deployment)] = PreprocessorLinks(name, self._inbox)
+            links = self._links[(name.app, name.deployment)] = PreprocessorLinks(name, self._inbox, self._deployment_handle(name))
         return links
 
     def _handle(self, name: PreprocessorName) -> HandlePreprocessing:
         handle = self._handles.get(name)
         if handle is None:
-            handle = self._handles[name] = HandlePreprocessing(
-                serve.get_deployment_handle(name.deployment, app_name=name.app), name.version
-            )
+            handle = self._handles[name] = HandlePreprocessing(self._deployment_handle(name), name.version)
         return handle
+
+    def _deployment_handle(self, name: PreprocessorName) -> DeploymentHandle:
+        key = (name.app, name.deployment)
+        if key not in self._deployment_handles:
+            self._deployment_handles[key] = serve.get_deployment_handle(name.deployment, app_name=name.app)
+        return self._deployment_handles[key]
 
     async def _call(self, request: ImageBatchRequest, name: PreprocessorName) -> ProcessedImages | ImagesRefused:
         """As a Serve call (no replica attached yet)."""
