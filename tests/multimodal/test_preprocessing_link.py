@@ -5,6 +5,7 @@ spread, and failed or finished when a replica is lost or leaves."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -79,8 +80,21 @@ class Replica:
             raise
 
 
-async def _seeded(request: ImageBatchRequest) -> ProcessedImages:
-    return _images(int(request.urls[0]))
+@contextlib.asynccontextmanager
+async def _linked(*works: Callable[[ImageBatchRequest], Awaitable[ProcessedImages | ImagesRefused]], detached=None):
+    """Replicas doing `works`, attached as "r1", "r2", ... to an engine client's end; all closed after."""
+    inbox = PreprocessingInbox(HOST)
+    replicas = PreprocessorReplicas(inbox, detached=detached or (lambda name: None))
+    servers = [Replica(work) for work in works]
+    for number, replica in enumerate(servers, 1):
+        replica.server.attach(inbox.address)
+        replicas.attach(f"r{number}", replica.server.address)
+    try:
+        yield replicas, servers, inbox
+    finally:
+        for replica in servers:
+            replica.server.close()
+        inbox.close()
 
 
 async def _forever(request: ImageBatchRequest) -> ProcessedImages:
@@ -100,57 +114,35 @@ def _run(scenario: Callable[[], Awaitable[None]]) -> None:
 
 
 def test_jobs_are_answered_pixels_intact_and_refusals_as_refused():
-    async def scenario():
-        async def answer(request: ImageBatchRequest):
-            return ImagesRefused("image 1: no", 0) if request.urls[0] == "no" else _images(int(request.urls[0]))
+    async def seeded_or_no(request: ImageBatchRequest):
+        return ImagesRefused("image 1: no", 0) if request.urls[0] == "no" else _images(int(request.urls[0]))
 
-        replica = Replica(answer)
-        inbox = PreprocessingInbox(HOST)
-        replicas = PreprocessorReplicas(inbox, detached=lambda name: None)
-        replica.server.attach(inbox.address)
-        replicas.attach("r1", replica.server.address)
-        try:
+    async def scenario():
+        async with _linked(seeded_or_no) as (replicas, [replica], _):
             answers = await asyncio.gather(*(replicas.process(_request(str(seed))) for seed in range(5)))
             for seed, answer in enumerate(answers):
                 assert np.array_equal(answer.images[0].fields[0].array, _images(seed).images[0].fields[0].array)
             assert await replicas.process(_request("no")) == ImagesRefused("image 1: no", 0)
             assert replica.server.in_flight == 0
-        finally:
-            replica.server.close()
-            inbox.close()
 
     _run(scenario)
 
 
 def test_a_cancelled_job_is_cancelled_at_the_replica():
     async def scenario():
-        replica = Replica(_forever)
-        inbox = PreprocessingInbox(HOST)
-        replicas = PreprocessorReplicas(inbox, detached=lambda name: None)
-        replica.server.attach(inbox.address)
-        replicas.attach("r1", replica.server.address)
-        try:
+        async with _linked(_forever) as (replicas, [replica], _):
             job = asyncio.ensure_future(replicas.process(_request("u1")))
             await _until(lambda: replica.started == ["u1"])
             job.cancel()
             await _until(lambda: replica.cancelled == ["u1"])
             assert replica.server.in_flight == 0
-        finally:
-            replica.server.close()
-            inbox.close()
 
     _run(scenario)
 
 
 def test_jobs_go_to_the_replica_with_fewest_and_a_lost_replicas_jobs_fail_as_lost():
     async def scenario():
-        first, second = Replica(_forever), Replica(_forever)
-        inbox = PreprocessingInbox(HOST)
-        replicas = PreprocessorReplicas(inbox, detached=lambda name: None)
-        for name, replica in (("r1", first), ("r2", second)):
-            replica.server.attach(inbox.address)
-            replicas.attach(name, replica.server.address)
-        try:
+        async with _linked(_forever, _forever) as (replicas, [first, second], _):
             jobs = [asyncio.ensure_future(replicas.process(_request(f"u{i}"))) for i in range(4)]
             await _until(lambda: len(first.started) + len(second.started) == 4)
             assert len(first.started) == len(second.started) == 2
@@ -160,10 +152,6 @@ def test_jobs_go_to_the_replica_with_fewest_and_a_lost_replicas_jobs_fail_as_los
             assert "r1" not in replicas
             for job in pending:
                 job.cancel()
-        finally:
-            first.server.close()
-            second.server.close()
-            inbox.close()
 
     _run(scenario)
 
@@ -176,13 +164,8 @@ def test_a_leaving_replica_gets_no_new_jobs_and_is_detached_once_its_jobs_answer
             await release.wait()
             return _images(1)
 
-        replica = Replica(held)
-        inbox = PreprocessingInbox(HOST)
         detached: list[str] = []
-        replicas = PreprocessorReplicas(inbox, detached=detached.append)
-        replica.server.attach(inbox.address)
-        replicas.attach("r1", replica.server.address)
-        try:
+        async with _linked(held, detached=detached.append) as (replicas, [replica], _):
             job = asyncio.ensure_future(replicas.process(_request("u1")))
             await _until(lambda: replica.started == ["u1"])
             replicas.leave("r1")
@@ -192,21 +175,13 @@ def test_a_leaving_replica_gets_no_new_jobs_and_is_detached_once_its_jobs_answer
             release.set()
             assert isinstance(await job, ProcessedImages)
             assert detached == ["r1"] and "r1" not in replicas
-        finally:
-            replica.server.close()
-            inbox.close()
 
     _run(scenario)
 
 
 def test_a_detached_senders_jobs_are_cancelled_and_its_later_jobs_dropped():
     async def scenario():
-        replica = Replica(_forever)
-        inbox = PreprocessingInbox(HOST)
-        replicas = PreprocessorReplicas(inbox, detached=lambda name: None)
-        replica.server.attach(inbox.address)
-        replicas.attach("r1", replica.server.address)
-        try:
+        async with _linked(_forever) as (replicas, [replica], inbox):
             job = asyncio.ensure_future(replicas.process(_request("u1")))
             await _until(lambda: replica.started == ["u1"])
             replica.server.detach(inbox.address)  # (its Serve call ended: the engine client is gone)
@@ -216,9 +191,6 @@ def test_a_detached_senders_jobs_are_cancelled_and_its_later_jobs_dropped():
             assert replica.started == ["u1"] and replica.server.in_flight == 0
             job.cancel()
             later.cancel()
-        finally:
-            replica.server.close()
-            inbox.close()
 
     _run(scenario)
 
@@ -235,12 +207,7 @@ def test_an_answer_for_a_sender_whose_inbox_is_gone_is_dropped_not_kept(monkeypa
             await release.wait()
             return _images(1)
 
-        replica = Replica(held)
-        inbox = PreprocessingInbox(HOST)
-        replicas = PreprocessorReplicas(inbox, detached=lambda name: None)
-        replica.server.attach(inbox.address)
-        replicas.attach("r1", replica.server.address)
-        try:
+        async with _linked(held) as (replicas, [replica], inbox):
             job = asyncio.ensure_future(replicas.process(_request("u1")))
             await _until(lambda: replica.started == ["u1"])
             inbox.close()  # the engine client's process is gone: its inbox's connection with it
@@ -249,29 +216,19 @@ def test_an_answer_for_a_sender_whose_inbox_is_gone_is_dropped_not_kept(monkeypa
             await _until(lambda: "could not be delivered" in caplog.text)
             assert replica.server.in_flight == 0
             job.cancel()
-        finally:
-            replica.server.close()
 
     with caplog.at_level("WARNING", logger="ray.serve"):
         _run(scenario)
 
 
 def test_a_job_that_fails_is_answered_as_busy_and_logged_with_its_traceback(caplog):
-    async def scenario():
-        async def broken(request: ImageBatchRequest):
-            raise RuntimeError("a bug")
+    async def broken(request: ImageBatchRequest):
+        raise RuntimeError("a bug")
 
-        replica = Replica(broken)
-        inbox = PreprocessingInbox(HOST)
-        replicas = PreprocessorReplicas(inbox, detached=lambda name: None)
-        replica.server.attach(inbox.address)
-        replicas.attach("r1", replica.server.address)
-        try:
+    async def scenario():
+        async with _linked(broken) as (replicas, _, _):
             answer = await replicas.process(_request("u1"))
             assert isinstance(answer, ImagesRefused) and answer.kind == "busy" and "RuntimeError" in answer.message
-        finally:
-            replica.server.close()
-            inbox.close()
 
     with caplog.at_level("ERROR", logger="ray.serve"):
         _run(scenario)
