@@ -114,3 +114,50 @@ def test_a_cancelled_caller_cancels_the_call_itself():
 
     asyncio.run(run())
     assert preprocessing.responses[0].cancelled
+
+
+class ScriptedReplicas:
+    """`PreprocessorReplicas`' stand-in: each job gets the next of `answers` (raised if an exception)."""
+
+    def __init__(self, *answers: object) -> None:
+        self.answers = list(answers)
+        self.jobs = 0
+
+    async def process(self, request: ImageBatchRequest):
+        self.jobs += 1
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+
+class ScriptedLinks:
+    def __init__(self, replicas: ScriptedReplicas) -> None:
+        self.replicas = replicas
+
+
+def _linked_calls(replicas: ScriptedReplicas, preprocessing: ScriptedPreprocessing) -> PreprocessorCalls:
+    calls = PreprocessorCalls(host="127.0.0.1")
+    calls._links[(NAME.app, NAME.deployment)] = ScriptedLinks(replicas)  # type: ignore[assignment]
+    calls._handles[NAME] = preprocessing  # type: ignore[assignment]
+    return calls
+
+
+def test_over_the_link_a_lost_replicas_job_is_tried_once_more_then_busy(caplog):
+    from mmserve.multimodal.preprocessing_client import ReplicaLost
+
+    calls = _linked_calls(ScriptedReplicas(ReplicaLost("r1 lost"), PROCESSED), serve := ScriptedPreprocessing())
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        assert asyncio.run(calls.process(REQUEST, NAME)) is PROCESSED
+    assert "trying once more" in caplog.text and calls.over_link == 1 and serve.calls == 0
+    twice = _linked_calls(ScriptedReplicas(ReplicaLost("r1 lost"), ReplicaLost("r2 lost")), ScriptedPreprocessing())
+    refused = asyncio.run(twice.process(REQUEST, NAME))
+    assert isinstance(refused, ImagesRefused) and refused.kind == "busy" and "r2 lost" in refused.message
+
+
+def test_with_no_replica_attached_yet_the_call_goes_through_serve():
+    from mmserve.multimodal.preprocessing_client import NoReplicaAttached
+
+    calls = _linked_calls(replicas := ScriptedReplicas(NoReplicaAttached()), serve := ScriptedPreprocessing(PROCESSED))
+    assert asyncio.run(calls.process(REQUEST, NAME)) is PROCESSED
+    assert replicas.jobs == 1 and serve.calls == 1 and calls.over_link == 0
