@@ -37,8 +37,8 @@ Process = Callable[[ImageBatchRequest], Awaitable[ProcessedImages | ImagesRefuse
 
 
 class PreprocessingServer:
-    """Runs `process` for the jobs arriving at its inbox, bound on `host`; `in_flight` counts them
-    (the replica's load, for autoscaling)."""
+    """Runs `process` for the jobs arriving at its inbox, bound on `host`; `in_flight` counts the
+    jobs it holds (the replica's load, link and Serve calls together, is its `ReplicaAdmission`'s)."""
 
     def __init__(self, process: Process, host: str) -> None:
         self._process = process
