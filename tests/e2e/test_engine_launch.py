@@ -18,6 +18,7 @@ from ray import serve
 
 from tests.conftest import TINY_MODEL_NAME, deploy_app
 from tests.e2e.fault_support import wait_for
+from tests.support.processes import pid_gone
 from tests.support.reference_venv import reference_python
 from tests.support.vllm_reference import VLLM_CPU_ENV, WORKER_IN_ENGINE_CORE
 
@@ -25,11 +26,7 @@ pytestmark = pytest.mark.serve
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
+    return not pid_gone(pid)
 
 
 def _engine_processes(port: int) -> list[int]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from mmserve.launcher.supervisor import EngineSupervisor, RestartPolicy, process_tree, vllm_serve_argv
+from tests.support.processes import pid_gone
 
 FAKE_ENGINE = r"""
 import os, signal, socket, subprocess, sys, time, uuid
@@ -35,11 +36,7 @@ while True:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
+    return not pid_gone(pid)
 
 
 async def _wait(predicate, timeout_s: float, what: str):
