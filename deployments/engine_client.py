@@ -45,7 +45,7 @@ from .caller_watch import CallerWatch
 from .engine_client_server import EngineClientServer, EngineClientSettings
 from .engine_pool_autoscaling import ENGINE_KV_CACHE_USAGE_METRIC, ENGINE_REQUESTS_METRIC
 from .link_images import LinkImages
-from .ray_node import node_ip
+from .ray_node import node_ip, replica_ids
 from .raylet_watch import RayletWatch
 from .replica_logs import log_package_to_replica
 
@@ -53,15 +53,6 @@ logger = logging.getLogger("ray.serve")
 
 # After its node is lost, how long this replica has to tell its callers before it exits.
 NODE_LOST_EXIT_S = 1.0
-
-
-def _replica_ids() -> tuple[str, str]:
-    """This replica's full id (in admissions) and unique id (the `engine` calls to a pool name)."""
-    try:
-        replica_id = serve.get_replica_context().replica_id
-    except Exception:  # not in a replica (tests)
-        return "", ""
-    return replica_id.to_full_id_str(), replica_id.unique_id
 
 
 def _node_id() -> str:
@@ -93,7 +84,8 @@ class EngineClientDeployment:
     async def __init__(self, settings: EngineClientSettings) -> None:
         log_package_to_replica()
         self.server = EngineClientServer(settings)
-        self.replica, self.engine_id = _replica_ids()
+        # Its full id (in admissions) and unique id (the `engine` calls to a pool name).
+        self.replica, self.engine_id = replica_ids()
         self._channels: dict[str, CallerChannel[AddAnswer]] = {}
         self._subscribers: dict[str, asyncio.Task[Any]] = {}
         self._callers = CallerWatch(self._caller_gone)

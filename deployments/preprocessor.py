@@ -34,7 +34,7 @@ from mmserve.vision import resize_path, warm_up_resize
 
 from .inline_args import join_payloads
 from .preprocessor_autoscaling import PREPROCESSOR_REQUESTS_METRIC, preprocessor_load_policy
-from .ray_node import node_ip
+from .ray_node import node_ip, replica_ids
 from .replica_logs import log_package_to_replica
 from .replica_router import NamedReplicaRouter
 
@@ -118,7 +118,7 @@ class PreprocessorDeployment:
         self.preprocessor = build_preprocessor(settings)
         self.admission = ReplicaAdmission(settings.max_ongoing_requests, settings.max_queued_requests)
         self.link = PreprocessingServer(self._answer, node_ip())
-        self.replica = _replica_id()
+        self.replica = replica_ids()[1]
         warm_up_resize()  # compiling the resize takes ≈2 s (0.3 s from numba's cache): now, not in a request
         logger.info(
             "preprocessor for %s images (pixel mode %s; image resize path: %s; %d pixel thread(s))",
@@ -161,10 +161,3 @@ class PreprocessorDeployment:
 
     async def __del__(self) -> None:
         self.link.close()
-
-
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # not in a replica (tests)
-        return ""

@@ -21,6 +21,7 @@ from mmserve.openai.settings import RoutingSettings
 from .engine_connection import HandleEngineConnection
 from .engine_pool_members import pool_members
 from .preprocessor_calls import HandlePreprocessing
+from .ray_node import replica_ids
 
 logger = logging.getLogger("ray.serve")
 
@@ -42,7 +43,7 @@ def engine_router(
     """The ingress's router over these engine-client deployments (one engine each) or this engine
     pool (one engine per replica, as many as Serve scales it to), the engine applications named
     `engine_applications`* (added and removed while serving), and the preprocessor."""
-    caller = _replica_name()
+    caller = replica_ids()[0] or None
     sources: list[EngineSource] = [StaticEngines([HandleEngineConnection(handle, caller) for handle in engines])]
     if engine_pool is not None:
         sources.append(EnginePoolMembers(engine_pool, caller))
@@ -135,10 +136,3 @@ async def _running_applications(prefix: str) -> set[str]:
         if status.name.startswith(prefix) and status.app_status.status in serving:
             names.add(status.name)
     return names
-
-
-def _replica_name() -> str | None:
-    try:
-        return serve.get_replica_context().replica_id.to_full_id_str()
-    except Exception:  # not in a replica
-        return None
