@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import threading
 import time
 
@@ -17,10 +18,14 @@ from tests.conftest import deploy_app
 pytestmark = pytest.mark.serve
 
 
-def _jpeg_uri(seed: int) -> str:
-    rng = np.random.default_rng(seed)
+def _distinct_jpeg_uri(base: np.ndarray, serial: int) -> str:
+    """A JPEG of `base` with `serial` written into its corner: every request's images are new to the
+    engine client, which would otherwise recall repeated ones without asking the preprocessor
+    (`RecentImages`), and the burst would end after its first round."""
+    pixels = base.copy()
+    pixels[:8, :8, :] = np.frombuffer(serial.to_bytes(3, "little"), dtype=np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (1080, 1920, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+    Image.fromarray(pixels).save(buf, "JPEG", quality=90)
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
@@ -44,24 +49,26 @@ def test_preprocessor_scales_out_and_back_alone(serve_instance):
     })
     try:
         assert _replicas("autoscale") == {"Ingress": 1, "EngineClient0": 1, "Preprocessor": 1}
-        images = [_jpeg_uri(i) for i in range(4)]
+        base = np.random.default_rng(0).integers(0, 256, (1080, 1920, 3), dtype=np.uint8)
+        serials = itertools.count()
         stop = threading.Event()
         errors: list[BaseException] = []
 
-        def client_loop(worker: int) -> None:
+        def client_loop() -> None:
             client = app.openai(timeout=120)
             while not stop.is_set():
                 try:
                     client.chat.completions.create(
                         model="mmserve-builtin", max_tokens=2,
                         messages=[{"role": "user", "content": [
-                            {"type": "image_url", "image_url": {"url": images[(worker + k) % 4]}} for k in range(3)]}],
+                            {"type": "image_url", "image_url": {"url": _distinct_jpeg_uri(base, next(serials))}}
+                            for _ in range(3)]}],
                     )
                 except BaseException as exc:  # noqa: BLE001 - reported below
                     errors.append(exc)
                     return
 
-        threads = [threading.Thread(target=client_loop, args=(w,), daemon=True) for w in range(8)]
+        threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(8)]
         for t in threads:
             t.start()
         peak: dict[str, int] = {}
