@@ -1,4 +1,5 @@
-"""Callers of an engine client (ingress replicas) that died, noticed by actor name, so their requests stop."""
+"""Callers that died, noticed by actor name: an engine client's (ingress replicas), so their requests
+stop; a preprocessor replica's (engine clients), so their attachments end."""
 
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ class CallerWatch:
     name that no longer resolves is a dead replica.
     """
 
-    def __init__(self, on_gone: Callable[[str], Awaitable[None]], interval_s: float = 1.0) -> None:
+    def __init__(
+        self, on_gone: Callable[[str], Awaitable[None]], interval_s: float = 1.0, consequence: str = "cancelling its requests"
+    ) -> None:
         self.on_gone = on_gone
         self.interval_s = interval_s
+        self.consequence = consequence
         self._callers: set[str] = set()
         self._loop: asyncio.Task[None] | None = None
 
@@ -41,7 +45,7 @@ class CallerWatch:
                 if await asyncio.to_thread(_actor_alive, caller):
                     continue
                 self._callers.discard(caller)
-                logger.warning("caller %s is gone: cancelling its requests", caller)
+                logger.warning("caller %s is gone: %s", caller, self.consequence)
                 await self.on_gone(caller)
 
 
@@ -55,3 +59,33 @@ def _actor_alive(name: str) -> bool:
     except Exception:  # GCS unreachable or the like: assume alive rather than cancel
         return True
     return True
+
+
+class HeldCalls:
+    """Calls held open for as long as their callers live (a preprocessor replica's attachments,
+    `PreprocessorDeployment.subscribe`): Ray ends none of them when the caller dies, so each
+    waits in `until_gone` until its caller is found dead (`CallerWatch`)."""
+
+    def __init__(self, consequence: str, interval_s: float = 1.0) -> None:
+        self._ends: dict[str, set[asyncio.Event]] = {}
+        self._watch = CallerWatch(self._gone, interval_s, consequence)
+
+    async def until_gone(self, caller: str) -> None:
+        """Return when `caller` (an actor name; "" for none: never) is dead."""
+        end = asyncio.Event()
+        if caller:
+            self._ends.setdefault(caller, set()).add(end)
+            self._watch.watch(caller)
+        try:
+            await end.wait()
+        finally:
+            ends = self._ends.get(caller)
+            if ends is not None:
+                ends.discard(end)
+                if not ends:
+                    del self._ends[caller]
+                    self._watch.unwatch(caller)
+
+    async def _gone(self, caller: str) -> None:
+        for end in self._ends.pop(caller, set()):
+            end.set()

@@ -12,7 +12,6 @@ through the replica's own admission (`replica_admission.py`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimit
 from mmserve.multimodal.replica_admission import ReplicaAdmission
 from mmserve.vision import resize_path, warm_up_resize
 
+from .caller_watch import HeldCalls
 from .inline_args import join_payloads
 from .preprocessor_autoscaling import PREPROCESSOR_REQUESTS_METRIC, preprocessor_load_policy
 from .ray_node import node_ip, replica_ids
@@ -119,6 +119,7 @@ class PreprocessorDeployment:
         self.admission = ReplicaAdmission(settings.max_ongoing_requests, settings.max_queued_requests)
         self.link = PreprocessingServer(self._answer, node_ip())
         self.replica = replica_ids()[1]
+        self._attachments = HeldCalls("ending its attachment and cancelling its jobs")
         warm_up_resize()  # compiling the resize takes ≈2 s (0.3 s from numba's cache): now, not in a request
         logger.info(
             "preprocessor for %s images (pixel mode %s; image resize path: %s; %d pixel thread(s))",
@@ -134,15 +135,16 @@ class PreprocessorDeployment:
             request = msgspec.structs.replace(request, urls=join_payloads(piece_counts, pieces))
         return await self._answer(request)
 
-    async def subscribe(self, reply_to: str, replica: str | None = None) -> AsyncIterator[PreprocessorHello]:
+    async def subscribe(self, reply_to: str, replica: str | None = None, caller: str = "") -> AsyncIterator[PreprocessorHello]:
         """An engine client attaches for as long as this call lasts: it learns this replica's inbox
-        (the one item), then sends jobs there, answered at its inbox `reply_to`."""
+        (the one item), then sends jobs there, answered at its inbox `reply_to`. The call ends when
+        the engine client ends it, or when the engine client, `caller` (its actor's name), died."""
         if replica and self.replica and replica != self.replica:
             raise WrongReplicaError(f"this preprocessor replica is {self.replica}, not {replica}")
         self.link.attach(reply_to)
         try:
             yield PreprocessorHello(self.link.address, self.replica)
-            await asyncio.Event().wait()
+            await self._attachments.until_gone(caller)
         finally:
             self.link.detach(reply_to)
 

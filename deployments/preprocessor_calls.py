@@ -29,6 +29,7 @@ from mmserve.protocol import PreprocessorName
 
 from .engine_pool_members import pool_members, watch_members
 from .inline_args import cut_payloads
+from .ray_node import replica_ids
 from .ray_errors import describe, innermost_cause
 
 logger = logging.getLogger("ray.serve")
@@ -68,6 +69,8 @@ class PreprocessorLinks:
         self.name = name
         self._inbox = inbox
         self.replicas = PreprocessorReplicas(inbox, self._end_attachment)
+        # This engine client's actor name: a replica ends the attachment when that actor is gone.
+        self._caller = replica_ids()[0]
         self._attachments: dict[str, asyncio.Task[None]] = {}
         self._members: tuple[str, ...] | None = None
         loop = asyncio.get_running_loop()
@@ -101,7 +104,7 @@ class PreprocessorLinks:
             attachment.cancel()
 
     async def _attach(self, replica: str) -> None:
-        stream = self.handle.subscribe.remote(self._inbox.address, replica=replica)
+        stream = self.handle.subscribe.remote(self._inbox.address, replica=replica, caller=self._caller)
         try:
             async for hello in stream:
                 if hello.replica == replica:

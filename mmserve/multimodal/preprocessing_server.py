@@ -5,9 +5,10 @@ attaches, naming its own inbox (a Serve call that stays open as long as the send
 replica: `PreprocessorDeployment.subscribe`), then sends `PreprocessJob`s and `CancelJobs` here;
 each job runs as a task of its own and its answer leaves at once, pixels as frames of their own
 (`preprocessing_link.py`). A sender that detaches (it stopped using the replica, or died) takes its
-jobs with it. One that died without detaching leaves its attachment open (Ray does not end a
-streaming call whose caller died) until the replica stops, but no answers kept for it: answers are
-sent only while its inbox is connected.
+jobs with it. Ray does not end a streaming call whose caller died: the replica looks its engine
+clients up by actor name and ends the attachment of one found dead (about a second later,
+`deployments/caller_watch.HeldCalls`); until then no answers are kept for it: answers are sent only
+while its inbox is connected.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from .types import ImageBatchRequest, ImagesRefused, ProcessedImages
 logger = logging.getLogger("ray.serve")
 
 # An answer whose sender's inbox is not connected is tried again this often, this many times (5 s),
-# then dropped: a sender that died leaves no answers queued for it (a Serve call, `subscribe`, does
-# not end when its caller dies).
+# then dropped: a sender that died leaves no answers queued for it (before the replica finds it dead).
 UNDELIVERED_RETRY_S = 0.05
 UNDELIVERED_TRIES = 100
 

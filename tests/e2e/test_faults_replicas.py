@@ -6,6 +6,7 @@ left with no request running.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -192,5 +193,53 @@ def test_ingress_replica_killed_mid_stream(serve_instance):
 
         wait_for(ok, 90, "requests succeed after the ingress restart", interval_s=1.0)
         _engine_clean(app, 1.0)
+    finally:
+        serve.delete(name, _blocking=True)
+
+
+_serials = itertools.count()
+
+
+def _small_image_body() -> dict:
+    """A chat with an image new to the engine (a repeated one would be recalled without the preprocessor)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    serial = next(_serials)
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (serial % 256, serial // 256 % 256, 90)).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+
+def test_engine_client_killed_ends_its_preprocessor_attachment(serve_instance):
+    """Ray does not end the engine client's attachment (a Serve call held open on the preprocessor
+    replica) when the engine client dies; the replica finds it dead by name and ends it, which its
+    log says; the new engine client attaches and image requests work again."""
+    name = "kill-engine-client"
+    app = deploy_app(serve_instance, name, {"preprocessor": {"min_replicas": 1, "max_replicas": 1}})
+    try:
+        wait_for(lambda: _post(app, _small_image_body(), {}) or
+                 app.engine_info().link_images_over_preprocessing_link > 0, 30, "the preprocessing link in use", interval_s=0.2)
+        killed = _kill_replica(name, "EngineClient0")
+        logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+
+        def attachment_ended() -> bool:
+            return any(f"caller {killed} is gone: ending its attachment" in log.read_text(errors="replace")
+                       for log in logs.glob(f"replica_{name}_Preprocessor_*.log"))
+
+        wait_for(attachment_ended, 15, "the preprocessor ending the dead engine client's attachment", interval_s=0.5)
+        recovered: dict = {}
+
+        def ok() -> bool:
+            _post(app, _small_image_body(), recovered)
+            return recovered["status"] == 200
+
+        wait_for(ok, 90, "image requests work again", interval_s=1.0)
+        wait_for(lambda: _post(app, _small_image_body(), {}) or
+                 app.engine_info().link_images_over_preprocessing_link > 0, 30, "the new engine client attached", interval_s=0.2)
     finally:
         serve.delete(name, _blocking=True)
