@@ -124,9 +124,12 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 INGRESS_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
+# No access line of Serve's per request: the request line (`mmserve.requests`, in the replica's log
+# file) records each one, and Serve's would go to the console too (see `mmserve.openai.metrics._FILE_ONLY`).
 @serve.deployment(
     ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": INGRESS_REPLICA_ENV}},
     max_ongoing_requests=1024,
+    logging_config={"enable_access_log": False},
 )
 @serve.ingress(api)
 class Ingress:

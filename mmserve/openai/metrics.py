@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("mmserve.requests")
 
+# The request line goes to the replica's log file only, never to its stderr (Serve's console handler
+# honours `log_to_stderr`, as for its controller's routine lines): a line on stderr is read by Ray's log
+# monitor, published through GCS and printed by `serve run`'s driver, four processes' work per request
+# (`bench/RESULTS.md` §0, "The request lines off the console").
+_FILE_ONLY = {"log_to_stderr": False}
+
 # The status recorded for a request whose client went away before its answer (nginx's
 # convention): neither a success nor the server's fault.
 CLIENT_CLOSED = 499
@@ -125,7 +131,7 @@ class Metrics:
         self.completion_tokens.inc(record.completion_tokens)
         if record.preprocess_ms is not None and record.num_images:
             self.preprocess.observe(record.preprocess_ms / 1e3 / record.num_images)
-        logger.info("request %s", json.dumps(record.log_fields(), separators=(",", ":")))
+        logger.info("request %s", json.dumps(record.log_fields(), separators=(",", ":")), extra=_FILE_ONLY)
 
     def observe_token_gap(self, seconds: float) -> None:
         self.itl.observe(seconds)

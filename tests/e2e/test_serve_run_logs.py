@@ -1,7 +1,7 @@
 """Logs and metrics tell the truth about clients, under a real `serve run` (not pytest's Ray):
-one `mmserve.requests` JSON line per request in the ingress replica's log file, refused requests
-and client disconnects never an ERROR or a traceback in any replica, and /metrics counting a
-disconnect as 499 (client closed), never 500."""
+one `mmserve.requests` JSON line per request in the ingress replica's log file (and none on the
+console), refused requests and client disconnects never an ERROR or a traceback in any replica, and
+/metrics counting a disconnect as 499 (client closed), never 500."""
 
 from __future__ import annotations
 
@@ -107,10 +107,13 @@ def test_request_lines_metrics_and_no_tracebacks_for_client_mistakes(serve_run):
     assert not bad, "\n".join(bad[:40])
     # The refused image left one INFO line in the preprocessor, naming it.
     assert serve_run.replica_logs("Preprocessor").count("image refused:") == 3
-    # Calls between replicas leave no access line of their own: the ingress's access line and
-    # the request line record each request, and a line per internal call would be written,
-    # shipped to the driver and printed for every request (issue 16).
-    assert "POST /v1/chat/completions" in serve_run.replica_logs("Ingress")
+    # One line per request, the request line, in the ingress replica's log file only: no access line
+    # of Serve's (none per call between replicas either), and nothing per request on the console, where
+    # each line would be read by Ray's log monitor, published through GCS and printed by the driver (issue 16).
+    assert "POST /v1/chat/completions" not in serve_run.replica_logs("Ingress")
+    console = serve_run.log_path.read_text(errors="replace") + serve_run.worker_stderr()
+    assert "request {" not in console and "POST /v1/chat/completions" not in console, console[-3000:]
+    assert "mmserve ingress serving" in console  # (the replica's other lines still reach it)
     assert "CALL add" not in serve_run.replica_logs("EngineClient0")
     assert "CALL process" not in serve_run.replica_logs("Preprocessor")
 
