@@ -11,11 +11,11 @@ logger = logging.getLogger("ray.serve")
 
 
 class CallerWatch:
-    """Notices callers (ingress replicas) that died, and calls `on_gone` for each.
+    """Notices callers (replicas that call this one) that died, and calls `on_gone` for each.
 
     Ray does not stop an actor's streaming generator when the process consuming it dies, so
     without this the requests of an ingress that was killed would run to `max_tokens` for
-    nobody. Callers are looked up by actor name once per `interval_s` while any is watched; a
+    nobody, and a dead engine client's attachment to a preprocessor replica would stay open. Callers are looked up by actor name once per `interval_s` while any is watched; a
     name that no longer resolves is a dead replica.
     """
 

@@ -29,8 +29,8 @@ from mmserve.protocol import PreprocessorName
 
 from .engine_pool_members import pool_members, watch_members
 from .inline_args import cut_payloads
-from .ray_node import replica_ids
 from .ray_errors import describe, innermost_cause
+from .ray_node import replica_ids
 
 logger = logging.getLogger("ray.serve")
 
