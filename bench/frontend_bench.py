@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/frontend_bench.py [--runs 3] [--quick] [--out bench/results/frontend.md]
         [--label NAME] [--setups vllm,mmserve] [--serve-env KEY=VALUE ...] [--mmserve-engine launched|headless]
-        [--client-group-nice N]
+        [--client-group-nice N] [--engine-cpus LIST]
 
 Two systems in front of the same engine (tiny random Qwen2-VL built once, `tests/support/tiny_models.py`;
 the engine flags of `tests/support/vllm_engines.py`, max_model_len of `bench/image_chat_bench.py`), one
@@ -56,6 +56,13 @@ each session as one group, both systems run in sessions of their own, and a clie
 weight waited up to 170 ms for a core during a 200-ms answer, receiving a streamed answer whole at its
 end (`bench/stream_delivery_probe.py`, 2026-12-06): its TTFT then measured the client. A real client
 runs on a machine of its own.
+
+With `--engine-cpus 1` the machine is split in two as a deployment that moves the front end off the
+engine's node would be (`EngineNode`): each system's engine runs on those CPUs; vLLM's API server beside
+its engine there (where `vllm serve` puts it); mmserve's gateway, all of Ray's and Serve's processes, on
+the others, and the client on the others for both (beside mmserve's gateway: the split does not favour
+mmserve). CPU per request is measured the same way; requests/s and latencies then say what the engine's
+node serves with its front end elsewhere.
 
 Writes the markdown report (medians over runs; ratios mmserve ÷ vLLM of the medians) and, beside it,
 the per-run numbers as JSON (rewritten after every run). Not a test: nothing is asserted about timings.
@@ -145,6 +152,55 @@ class Timing:
     idle_s: float
     warmup_text: int
     warmup_images: int
+
+
+# ----------------------------------------------------------------------------- an engine node of its own (--engine-cpus)
+
+
+@dataclass(frozen=True)
+class EngineNode:
+    """One machine split in two: the engine's node (`engine_cpus`: each system's engine, and vLLM's API
+    server, which `vllm serve` runs beside its engine) and the rest (`front_cpus`: mmserve's gateway, the
+    bench client)."""
+
+    engine_cpus: frozenset[int]
+    front_cpus: frozenset[int]
+
+    @classmethod
+    def parse(cls, cpu_list: str) -> EngineNode:
+        """`1` or `2-3` or `1,3`: the engine's CPUs; the front end gets the others this process may use."""
+        engine: set[int] = set()
+        for part in cpu_list.split(","):
+            low, _, high = part.partition("-")
+            engine.update(range(int(low), int(high or low) + 1))
+        allowed = os.sched_getaffinity(0)
+        if not engine or not engine < allowed:
+            raise ValueError(f"--engine-cpus {cpu_list!r} must name some, not all, of this process's CPUs {sorted(allowed)}")
+        return cls(frozenset(engine), frozenset(allowed - engine))
+
+    @property
+    def taskset(self) -> list[str]:
+        """The command prefix that runs a program on the engine's CPUs (for an engine the app launches)."""
+        return ["taskset", "--cpu-list", ",".join(map(str, sorted(self.engine_cpus)))]
+
+    def describe(self) -> str:
+        return (f"an engine node of its own: each engine (and vLLM's API server, beside its engine) on CPUs "
+                f"{sorted(self.engine_cpus)}; mmserve's gateway and the bench client on CPUs {sorted(self.front_cpus)}")
+
+
+@contextlib.contextmanager
+def forking_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Processes this thread starts in the block run on `cpus` (a child inherits the affinity of the
+    thread that forks it, and so do its own children); None: as before."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)  # this thread's (pid 0: the calling thread)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 FULL = Timing(workload_s=15.0, idle_s=20.0, warmup_text=16, warmup_images=8)
@@ -486,11 +542,12 @@ def describe(seconds: dict[str, float], wall_s: float) -> str:
 
 
 def run_vllm(run: int, model_dir: Path, work: Path, bodies: dict[str, list[dict[str, Any]]], warm: list[dict[str, Any]],
-             timing: Timing) -> SystemRun:
+             timing: Timing, engine_node: EngineNode | None = None) -> SystemRun:
     print(f"== run {run}: vLLM (`vllm serve`, its own API server)", flush=True)
     t0 = time.monotonic()
-    server = VllmApiServer(model_dir, served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
-                           log_path=work / f"vllm_server_{run}.log", as_users_run=True).start()
+    with forking_on(engine_node and engine_node.engine_cpus):
+        server = VllmApiServer(model_dir, served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
+                               log_path=work / f"vllm_server_{run}.log", as_users_run=True).start()
     bench_pid = os.getpid()
 
     def member(proc: psutil.Process) -> str | None:
@@ -668,12 +725,13 @@ ENGINE_STARTS = ("headless", "launched")
 LAUNCHED_ENGINE_RAY_CPUS = 0.25
 
 
-def launched_engine_arg() -> str:
-    """`engine_launch=…` for `serve run`: the headless engine's flags and environment, launched by the app."""
+def launched_engine_arg(engine_node: EngineNode | None = None) -> str:
+    """`engine_launch=…` for `serve run`: the headless engine's flags and environment, launched by the app
+    (on the engine node's CPUs when there is one)."""
     launch = {
         "count": 1, "resources": {"CPU": LAUNCHED_ENGINE_RAY_CPUS}, "env": dict(VLLM_CPU_ENV),
         "engine_args": {"max-model-len": MAX_MODEL_LEN, "enforce-eager": True, "dtype": "bfloat16", "seed": 0},
-        "vllm_command": [reference_python(), "-m", "vllm.entrypoints.cli.main"],
+        "vllm_command": [*(engine_node.taskset if engine_node else []), reference_python(), "-m", "vllm.entrypoints.cli.main"],
     }
     return "engine_launch=" + json.dumps(launch, separators=(",", ":"))
 
@@ -687,23 +745,26 @@ def launched_engine_root(proc: psutil.Process) -> int | None:
     return None
 
 
-def start_mmserve_engine(engine_start: str, model_dir: Path, log_path: Path) -> tuple[HeadlessVllmEngine | None, str]:
+def start_mmserve_engine(engine_start: str, model_dir: Path, log_path: Path,
+                         engine_node: EngineNode | None = None) -> tuple[HeadlessVllmEngine | None, str]:
     """mmserve's engine as `--mmserve-engine` says: (the headless engine started here, or None when the
     application launches it; the `serve run` argument that names it)."""
     if engine_start == "launched":
-        return None, launched_engine_arg()
+        return None, launched_engine_arg(engine_node)
     hs_port = free_tcp_port()
     # The engine connects to the handshake address serve run will bind (ZMQ retries until then).
-    engine = HeadlessVllmEngine(model_dir, hs_port, max_model_len=MAX_MODEL_LEN, log_path=log_path, as_users_run=True).start()
+    with forking_on(engine_node and engine_node.engine_cpus):
+        engine = HeadlessVllmEngine(model_dir, hs_port, max_model_len=MAX_MODEL_LEN, log_path=log_path, as_users_run=True).start()
     return engine, f"engines=tcp://127.0.0.1:{hs_port}"
 
 
 def run_mmserve(run: int, model_dir: Path, work: Path, bodies: dict[str, list[dict[str, Any]]], warm: list[dict[str, Any]],
-                timing: Timing, env: dict[str, str], port: int, engine_start: str = "launched") -> SystemRun:
+                timing: Timing, env: dict[str, str], port: int, engine_start: str = "launched",
+                engine_node: EngineNode | None = None) -> SystemRun:
     how = "`vllm serve --headless` on its own" if engine_start == "headless" else "its engine launched by the app"
     print(f"== run {run}: mmserve (`serve run` as README starts it, {how})", flush=True)
     t0 = time.monotonic()
-    engine, engine_arg = start_mmserve_engine(engine_start, model_dir, work / f"vllm_headless_{run}.log")
+    engine, engine_arg = start_mmserve_engine(engine_start, model_dir, work / f"vllm_headless_{run}.log", engine_node)
     serve = ServeRun([f"model={model_dir}", f"served_model_name={MODEL_NAME}", engine_arg, *SERVE_ARGS_EXTRA],
                      env, port, work / f"serve_run_{run}.log")
     bench_pid = os.getpid()
@@ -917,7 +978,8 @@ def write_report(out: Path, runs: list[SystemRun], meta: dict[str, Any]) -> str:
         f"mmserve: `{meta['serve_command']}` from the repository root: the settings README's quick start puts before "
         f"`.venv/bin/serve` (`{meta['readme_line']}`) plus --serve-env, and no other `RAY_*` variable; "
         f"image resize path: {', '.join(sorted(meta['resize_paths'])) or '–'}. Engine (both systems): `{meta['engine_flags']}`; "
-        f"mmserve's {'started on its own (`--headless`, its own session)' if meta['mmserve_engine'] == 'headless' else 'launched by the application (`engine_launch`, in Ray’s session)'}.",
+        f"mmserve's {'started on its own (`--headless`, its own session)' if meta['mmserve_engine'] == 'headless' else 'launched by the application (`engine_launch`, in Ray’s session)'}. "
+        f"Placement: {meta.get('engine_node') or 'every process on every CPU (one shared node)'}.",
         f"Workloads (streamed chat, temperature 0, `ignore_eos`, closed loop, no new request after {meta['workload_s']:g} s): {workloads}; "
         f"images {IMAGE_SIZE[0]}×{IMAGE_SIZE[1]} JPEG data URIs. Idle: {meta['idle_s']:g} s after the warm-up. "
         "Gateway = every non-engine process (vLLM: its API server; mmserve: all of `serve run`'s, Ray's and Serve's); "
@@ -961,6 +1023,9 @@ def main() -> None:
                              "default), or `vllm serve --headless` started on its own; the same flags either way")
     parser.add_argument("--client-group-nice", type=int, default=CLIENT_GROUP_NICE,
                         help="niceness of the client's scheduling group while the bench runs (0: the default weight)")
+    parser.add_argument("--engine-cpus", metavar="LIST",
+                        help="emulate an engine node of its own: each engine (and vLLM's API server) on these CPUs, "
+                             "mmserve's gateway and the client on the others (e.g. 1)")
     parser.add_argument("--report-from", metavar="FILE.json",
                         help="run nothing: rewrite the markdown report of a saved JSON (to --out, default beside it)")
     args = parser.parse_args()
@@ -976,6 +1041,12 @@ def main() -> None:
         parser.error(f"unknown setups {sorted(unknown)}")
     out = Path(args.out or REPO / "bench" / "results" / (f"frontend-{args.label}.md" if args.label else "frontend.md"))
     timing = QUICK if args.quick else FULL
+    try:
+        engine_node = EngineNode.parse(args.engine_cpus) if args.engine_cpus else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    if engine_node is not None:
+        os.sched_setaffinity(0, engine_node.front_cpus)  # the client, and what it starts but the engines
     readme_line, readme_env, port = readme_quick_start()
     overrides = dict(kv.split("=", 1) for kv in args.serve_env)
     env = serve_environment(readme_env, overrides)
@@ -985,11 +1056,11 @@ def main() -> None:
         "readme_line": readme_line, "serve_env": {**readme_env, **overrides}, "port": port,
         "serve_command": " ".join(f"{k}={v}" for k, v in {**readme_env, **overrides}.items())
         + " .venv/bin/serve run serve_app:build_app model=DIR served_model_name=" + MODEL_NAME
-        + (" engines=tcp://127.0.0.1:PORT " if args.mmserve_engine == "headless" else f" {launched_engine_arg()} ")
+        + (" engines=tcp://127.0.0.1:PORT " if args.mmserve_engine == "headless" else f" {launched_engine_arg(engine_node)} ")
         + " ".join(SERVE_ARGS_EXTRA), "mmserve_engine": args.mmserve_engine,
         "engine_flags": f"vllm serve DIR --max-model-len {MAX_MODEL_LEN} --enforce-eager --dtype bfloat16 --seed 0",
         "workloads": [asdict(w) for w in WORKLOADS], "workload_s": timing.workload_s, "idle_s": timing.idle_s,
-        "resize_paths": set(),
+        "resize_paths": set(), "engine_node": engine_node.describe() if engine_node else None,
     }
     print(meta["machine"], flush=True)
     if "mmserve" in setups and not port_is_free(port):
@@ -1006,9 +1077,9 @@ def main() -> None:
         model_dir = build_tiny_qwen2_vl(work / MODEL_NAME, seed=0)
         for run in range(1, args.runs + 1):
             if "vllm" in setups:
-                runs.append(run_vllm(run, model_dir, work, bodies, warm, timing))
+                runs.append(run_vllm(run, model_dir, work, bodies, warm, timing, engine_node))
             if "mmserve" in setups:
-                runs.append(run_mmserve(run, model_dir, work, bodies, warm, timing, env, port, args.mmserve_engine))
+                runs.append(run_mmserve(run, model_dir, work, bodies, warm, timing, env, port, args.mmserve_engine, engine_node))
                 meta["resize_paths"].add(runs[-1].notes["image resize path"])
             meta["duration_s"] = time.monotonic() - started
             write_json(out.with_suffix(".json"), runs, meta)  # after every run: a partial result survives a failure
