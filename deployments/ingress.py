@@ -122,12 +122,20 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 # the same per image request. The ingress's blocking work runs in threads of its own (`off_loop`), so the
 # shared loop does not delay Serve's health checks.
 INGRESS_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# Half a CPU each: Serve spreads them over the nodes with room (`ingress_actor_options`).
+INGRESS_CPUS = 0.5
+
+
+def ingress_actor_options(resources: dict[str, float]) -> dict[str, Any]:
+    """An ingress replica's Ray actor options, with the extra Ray resources that say where it may
+    run (`ingress_resources`); its runtime environment always (see `INGRESS_REPLICA_ENV`)."""
+    return {"num_cpus": INGRESS_CPUS, "resources": dict(resources), "runtime_env": {"env_vars": dict(INGRESS_REPLICA_ENV)}}
 
 
 # No access line of Serve's per request: the request line (`mmserve.requests`, in the replica's log
 # file) records each one, and Serve's would go to the console too (see `mmserve.openai.metrics._FILE_ONLY`).
 @serve.deployment(
-    ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": INGRESS_REPLICA_ENV}},
+    ray_actor_options=ingress_actor_options({}),
     max_ongoing_requests=1024,
     logging_config={"enable_access_log": False},
 )

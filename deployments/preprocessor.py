@@ -75,13 +75,15 @@ class PreprocessorScaling:
     max_ongoing_requests: int
     # Requests waiting for a preprocessor replica; beyond: 503 with Retry-After.
     max_queued_requests: int
+    # Extra Ray resources per replica (where it may run).
+    resources: dict[str, float]
 
     def options(self) -> dict[str, Any]:
         """`PreprocessorDeployment.options(...)` for this scaling. The replica admits its image
         requests itself (`PreprocessorSettings.max_ongoing_requests`); Serve's own limit only has to
         leave room for them and for the engine clients' attachments."""
         return {
-            "ray_actor_options": {"num_cpus": self.num_cpus},
+            "ray_actor_options": {"num_cpus": self.num_cpus, "resources": dict(self.resources)},
             "max_ongoing_requests": self.max_ongoing_requests + self.max_queued_requests + ATTACHMENTS_PER_REPLICA,
             "autoscaling_config": AutoscalingConfig(
                 min_replicas=self.min_replicas,

@@ -43,7 +43,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """Build the mmserve application from builder args (see `AppConfig`)."""
     # Imported here so that `import serve_app` stays light for tools and tests.
     from deployments.engine_client import EngineClientDeployment
-    from deployments.ingress import Ingress
+    from deployments.ingress import Ingress, ingress_actor_options
     from deployments.preprocessor import PreprocessorDeployment
     from mmserve.multimodal import load_image_family
     from mmserve.vision import resize_path
@@ -79,7 +79,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         # start-up logs go to Ray's log files); the replicas run from the same environment.
         logging.getLogger("ray.serve").info("mmserve image resize path: %s", resize_path())
     return Ingress.options(
-        num_replicas=config.ingress_replicas, max_queued_requests=config.limits.ingress_max_queued_requests
+        num_replicas=config.ingress_replicas, max_queued_requests=config.limits.ingress_max_queued_requests,
+        ray_actor_options=ingress_actor_options(config.ingress_resources),
     ).bind(serving_settings(config), engines, preprocessor, engine_pool, config.engine_applications)
 
 

@@ -249,6 +249,10 @@ class PreprocessorDeploymentConfig(BaseModel):
     max_ongoing_requests: int = Field(default=8, ge=1)
     # Image requests waiting at a replica beyond those; beyond: 503 with Retry-After.
     max_queued_requests: int = Field(default=64, ge=0)
+    # Extra Ray resources each replica asks for, to keep the preprocessing tier off the engines' nodes
+    # (Serve spreads replicas over every node with room): e.g. {"mmserve_front_end": 0.001}, with that
+    # custom resource on the CPU nodes only (`cluster/`).
+    resources: dict[str, float] = {}
 
 
 class AppConfig(BaseModel):
@@ -285,6 +289,9 @@ class AppConfig(BaseModel):
     # How long a request waits for a starting engine before it gets a 503.
     engine_wait_timeout_s: float = 30.0
     ingress_replicas: int = 1
+    # Extra Ray resources each ingress replica asks for, to keep it off the engines' nodes (as
+    # `preprocessor.resources`).
+    ingress_resources: dict[str, float] = {}
     # Extra Ray resources for engine-client replicas, to pin them to the node whose address the
     # engines connect to (e.g. {"mmserve_engine_host": 0.001} with that custom resource on one node).
     engine_client_resources: dict[str, float] = {}

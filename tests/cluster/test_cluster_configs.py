@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,29 @@ def test_engines_launched_by_the_app_scale_in_every_deployment_file():
     assert {"head", "cpu_worker", "gpu_worker"} <= set(launcher["available_node_types"])
     assert service["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
     assert gpu_group["maxReplicas"] == kuberay["engine_pool"]["max_engines"] and gpu_group["minReplicas"] == 0
+
+
+def test_with_launched_engines_the_front_end_stays_off_the_engines_nodes():
+    """Serve spreads replicas over every node with room: the ingress and preprocessor replicas ask for a
+    custom resource that the head and CPU nodes have and the GPU nodes (the engines') do not."""
+    serve_launch = yaml.safe_load((CLUSTER / "serve_launch.yaml").read_text())["applications"][0]["args"]
+    launcher = yaml.safe_load((CLUSTER / "ray-cluster-gpu.yaml").read_text())["available_node_types"]
+    service = next(d for d in yaml.safe_load_all((CLUSTER / "kuberay-rayservice-launch.yaml").read_text()) if d and d["kind"] == "RayService")
+    kuberay = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    cluster = service["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: json.loads(yaml.safe_load(g["rayStartParams"].get("resources", "'{}'"))) for g in cluster["workerGroupSpecs"]}
+    groups["head"] = json.loads(yaml.safe_load(cluster["headGroupSpec"]["rayStartParams"]["resources"]))
+    for args, nodes, front_end_nodes, engine_nodes in (
+        (serve_launch, {name: t["resources"] for name, t in launcher.items()}, ("head", "cpu_worker"), ("gpu_worker",)),
+        (kuberay, groups, ("head", "cpu"), ("gpu",)),
+    ):
+        asked = [AppConfig.model_validate(args).preprocessor.resources, AppConfig.model_validate(args).ingress_resources]
+        for resources in asked:
+            assert resources and set(resources) <= {"mmserve_front_end"}
+            for node in front_end_nodes:
+                assert all(nodes[node].get(name, 0) >= amount for name, amount in resources.items()), node
+            for node in engine_nodes:
+                assert not set(resources) & set(nodes[node]), node
 
 
 def test_kuberay_manifest_shape():

@@ -1,6 +1,8 @@
 """Colocation on a multi-node Ray cluster (two nodes on this machine, its own cluster in a child
 process): engines launched by the application land, with their engine clients, on the node that has
-the engines' resource; requests are served across both; nothing is left after the app is deleted.
+the engines' resource, and the ingress and preprocessor replicas on the node that has the front end's
+(`ingress_resources`, `preprocessor.resources`), never beside the engines though that node has CPUs to
+spare; requests are served across both; nothing is left after the app is deleted.
 The engines are the built-in engine behind a `vllm serve`-shaped command line (seconds, not minutes);
 placement does not depend on what the engine process is."""
 
@@ -45,3 +47,5 @@ def test_launched_engines_and_their_clients_share_the_engine_node():
     assert result["answers"] == [200] * 8, result
     assert all(n >= 1 for n in result["requests_per_engine"]), result  # served across both engines
     assert all(result["engine_pids"]) and result["left_after_delete"] == [], result
+    assert [name for name, _ in result["front_end_nodes"]] == ["Ingress", "Ingress", "Preprocessor", "Preprocessor"], result
+    assert {node for _, node in result["front_end_nodes"]} == {result["head_node"]}, result

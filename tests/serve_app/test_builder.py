@@ -1,4 +1,5 @@
-"""The application builder: it says so when Ray was started without HAProxy (Serve's Python proxy on the request path)."""
+"""The application builder: it says so when Ray was started without HAProxy (Serve's Python proxy on the
+request path); the front end's replicas ask for the Ray resources the config names."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 
 import pytest
 
+from deployments.ingress import INGRESS_REPLICA_ENV
 from serve_app.builder import HA_PROXY_FLAG, build_app
 
 
@@ -19,3 +21,21 @@ def test_a_missing_ha_proxy_flag_is_warned_about(flag, monkeypatch, caplog):
         build_app({})
     warned = [r for r in caplog.records if HA_PROXY_FLAG in r.getMessage()]
     assert bool(warned) == (flag is None)
+
+
+def _ingress_and_preprocessor(args: dict):
+    ingress = build_app(args)._bound_deployment
+    [preprocessor] = [arg._bound_deployment for arg in ingress.init_args if hasattr(arg, "_bound_deployment")]
+    return ingress.ray_actor_options, preprocessor.ray_actor_options
+
+
+def test_the_front_ends_replicas_ask_for_the_resources_the_config_names():
+    """What keeps them off the engines' nodes on a cluster (`cluster/serve_launch.yaml`)."""
+    front_end = {"mmserve_front_end": 0.001}
+    ingress, preprocessor = _ingress_and_preprocessor({"ingress_resources": front_end, "preprocessor": {"resources": front_end, "num_cpus": 2}})
+    assert ingress["resources"] == front_end and preprocessor["resources"] == front_end
+    assert preprocessor["num_cpus"] == 2
+    # The ingress keeps its runtime environment and CPUs whatever the resources.
+    assert ingress["runtime_env"] == {"env_vars": INGRESS_REPLICA_ENV} and ingress["num_cpus"] == 0.5
+    assert _ingress_and_preprocessor({}) == ({"num_cpus": 0.5, "resources": {}, "runtime_env": {"env_vars": INGRESS_REPLICA_ENV}},
+                                             {"num_cpus": 1.0, "resources": {}})
