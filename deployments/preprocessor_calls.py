@@ -96,6 +96,7 @@ class PreprocessorLinks:
 
     def close(self) -> None:
         """End every attachment (Ray would not end these calls when this process exits)."""
+        self.replicas.close()
         for replica in list(self._attachments):
             self._end_attachment(replica)
 

@@ -5,8 +5,10 @@ per preprocessor deployment, the replicas it is attached to (`PreprocessorReplic
 `deployments/preprocessor_calls.py`, attaches and detaches them as Serve's replica list changes). A
 job goes to the attached replica with the fewest of this client's jobs; the replica itself admits,
 queues or refuses it (`replica_admission.py`). A replica lost under a job fails it (`ReplicaLost`),
-for the caller to try once more; one being taken away (scaled down) gets no new jobs and is
-detached once its jobs have answered.
+for the caller to try once more, and so does a job the replica says it does not hold: asked of the
+jobs unanswered after `JOB_CHECK_S` (every `JOB_CHECK_S`), which finds the ones whose message or
+answer a broken connection lost (ZMQ remakes the connection; what was on its way is gone). One
+being taken away (scaled down) gets no new jobs and is detached once its jobs have answered.
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ from collections.abc import Callable
 
 from mmserve.zmq_link import LinkInbox, LinkOutbox
 
-from .preprocessing_link import AnswerFramesError, CancelJobs, PreprocessJob, decode_answer, encode_message
+from .preprocessing_link import AnswerFramesError, AskHeldJobs, CancelJobs, PreprocessJob, decode_answer, encode_message
 from .types import ImageBatchRequest, ImagesRefused, ProcessedImages
 
 logger = logging.getLogger("ray.serve")
+
+# Jobs unanswered this long are asked after (`AskHeldJobs`), this often: a job takes well under a
+# second, or waits its turn at a replica that holds it.
+JOB_CHECK_S = 10.0
 
 
 class ReplicaLost(Exception):
@@ -62,6 +68,12 @@ class PreprocessingInbox:
             except AnswerFramesError as exc:
                 logger.warning("engine client: an unreadable preprocessing answer (%d frames): %s", len(frames), exc)
                 continue
+            if answer.not_held is not None:
+                for job in answer.not_held:
+                    future = self._waiting.pop(job, None)
+                    if future is not None and not future.done():
+                        future.set_exception(ReplicaLost(f"the preprocessor replica does not hold job {job}: its message or answer was lost"))
+                continue
             future = self._waiting.pop(answer.job, None)
             if future is not None and not future.done():
                 future.set_result(answer.answer)
@@ -78,6 +90,8 @@ class AttachedReplica:
     def __init__(self, address: str) -> None:
         self.outbox = LinkOutbox(address)
         self.jobs: dict[int, asyncio.Future[ProcessedImages | ImagesRefused]] = {}
+        # When each job was sent (the loop's clock).
+        self.sent: dict[int, float] = {}
         self.leaving = False
 
 
@@ -85,10 +99,12 @@ class PreprocessorReplicas:
     """One preprocessor deployment's replicas this engine client is attached to. `detached(replica)`
     is called when a leaving replica's last job has answered (the Ray side then ends its attachment)."""
 
-    def __init__(self, inbox: PreprocessingInbox, detached: Callable[[str], None]) -> None:
+    def __init__(self, inbox: PreprocessingInbox, detached: Callable[[str], None], job_check_s: float = JOB_CHECK_S) -> None:
         self._inbox = inbox
         self._detached = detached
         self._replicas: dict[str, AttachedReplica] = {}
+        self._job_check_s = job_check_s
+        self._checker: asyncio.Task[None] | None = None
 
     def __contains__(self, replica: str) -> bool:
         return replica in self._replicas
@@ -124,6 +140,9 @@ class PreprocessorReplicas:
         job, answer = self._inbox.expect()
         attached.jobs[job] = answer
         attached.outbox.send_nowait(encode_message(PreprocessJob(self._inbox.address, job, request)))
+        attached.sent[job] = asyncio.get_running_loop().time()
+        if self._checker is None:
+            self._checker = asyncio.get_running_loop().create_task(self._check_jobs(), name="preprocessing-job-check", context=contextvars.Context())
         try:
             return await answer
         except asyncio.CancelledError:
@@ -133,8 +152,23 @@ class PreprocessorReplicas:
             raise
         finally:
             self._inbox.forget(job)
+            attached.sent.pop(job, None)
             if attached.jobs.pop(job, None) is not None:
                 self._detach_if_done(replica, attached)
+
+    def close(self) -> None:
+        if self._checker is not None:
+            self._checker.cancel()
+
+    async def _check_jobs(self) -> None:
+        """Every `job_check_s`, ask each replica whether it holds this client's jobs sent that long ago."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._job_check_s)
+            before = loop.time() - self._job_check_s
+            for attached in list(self._replicas.values()):
+                if old := [job for job, sent in attached.sent.items() if sent <= before]:
+                    attached.outbox.send_nowait(encode_message(AskHeldJobs(self._inbox.address, old)))
 
     def _detach_if_done(self, replica: str, attached: AttachedReplica) -> None:
         if attached.leaving and not attached.jobs and self._replicas.get(replica) is attached:

@@ -44,8 +44,18 @@ class CancelJobs(msgspec.Struct, frozen=True, tag="cancel"):
     jobs: list[int]
 
 
+class AskHeldJobs(msgspec.Struct, frozen=True, tag="held?"):
+    """Which of these jobs from the sender at `reply_to` does the replica still hold (working on them,
+    or delivering their answers)? Asked of jobs long unanswered: one whose message or answer was lost
+    on a broken connection is held nowhere, and would otherwise be waited for forever. Answered with
+    `JobAnswer.not_held`, behind every answer sent before (one connection keeps its order)."""
+
+    reply_to: str
+    jobs: list[int]
+
+
 # What an engine client sends a preprocessor replica's inbox.
-PreprocessorMessage = PreprocessJob | CancelJobs
+PreprocessorMessage = PreprocessJob | CancelJobs | AskHeldJobs
 
 
 class JobAnswer(msgspec.Struct, frozen=True):
@@ -55,6 +65,8 @@ class JobAnswer(msgspec.Struct, frozen=True):
     job: int
     images: ProcessedImages | None = None
     refused: ImagesRefused | None = None
+    # Set instead (job 0): the answer to `AskHeldJobs`, the jobs asked about that the replica does not hold.
+    not_held: list[int] | None = None
 
     @property
     def answer(self) -> ProcessedImages | ImagesRefused:
@@ -96,6 +108,11 @@ def encode_answer(job: int, answer: ProcessedImages | ImagesRefused) -> list[Any
     message = JobAnswer(job, images=answer) if isinstance(answer, ProcessedImages) else JobAnswer(job, refused=answer)
     header = msgspec.msgpack.Encoder(enc_hook=array_ref).encode(message)
     return [header, *buffers]
+
+
+def encode_not_held(jobs: list[int]) -> list[Any]:
+    """The frames of the answer to `AskHeldJobs`: `jobs` are held nowhere."""
+    return [msgspec.msgpack.encode(JobAnswer(0, not_held=jobs))]
 
 
 def decode_answer(frames: list[zmq.Frame] | list[bytes]) -> JobAnswer:

@@ -23,7 +23,7 @@ import zmq
 
 from mmserve.zmq_link import LinkInbox, LinkOutbox
 
-from .preprocessing_link import CancelJobs, PreprocessJob, decode_message, encode_answer
+from .preprocessing_link import AskHeldJobs, CancelJobs, PreprocessJob, decode_message, encode_answer, encode_not_held
 from .types import ImageBatchRequest, ImagesRefused, ProcessedImages
 
 logger = logging.getLogger("ray.serve")
@@ -46,6 +46,8 @@ class PreprocessingServer:
         self.address = self._inbox.address
         self._senders: dict[str, LinkOutbox] = {}
         self._jobs: dict[tuple[str, int], asyncio.Task[None]] = {}
+        # Jobs answered whose answers wait for their sender's inbox to be connected again.
+        self._delivering: set[tuple[str, int]] = set()
         self._reader: asyncio.Task[None] | None = None
 
     @property
@@ -87,6 +89,8 @@ class PreprocessingServer:
                 for job in message.jobs:
                     if (task := self._jobs.pop((message.reply_to, job), None)) is not None:
                         task.cancel()
+            elif isinstance(message, AskHeldJobs):
+                self._answer_held(message)
             elif message.reply_to not in self._senders:
                 # Detached meanwhile (its Serve call ended): nobody waits for the answer.
                 logger.info("preprocessor: job %d from a sender no longer attached, dropped", message.job)
@@ -103,13 +107,28 @@ class PreprocessingServer:
         finally:
             self._jobs.pop((message.reply_to, message.job), None)
         frames = encode_answer(message.job, answer)
-        for _ in range(UNDELIVERED_TRIES):
-            if (outbox := self._senders.get(message.reply_to)) is None:
-                return  # detached meanwhile: nobody waits for it
-            try:
-                outbox.send_frames_nowait(frames)
-                return
-            except zmq.Again:  # not connected: the sender died, or its connection is being remade
-                await asyncio.sleep(UNDELIVERED_RETRY_S)
+        key = (message.reply_to, message.job)
+        self._delivering.add(key)
+        try:
+            for _ in range(UNDELIVERED_TRIES):
+                if (outbox := self._senders.get(message.reply_to)) is None:
+                    return  # detached meanwhile: nobody waits for it
+                try:
+                    outbox.send_frames_nowait(frames)
+                    return
+                except zmq.Again:  # not connected: the sender died, or its connection is being remade
+                    await asyncio.sleep(UNDELIVERED_RETRY_S)
+        finally:
+            self._delivering.discard(key)
         logger.warning("preprocessor: the answer to job %d could not be delivered to %s for %.0f s: dropped",
                        message.job, message.reply_to, UNDELIVERED_TRIES * UNDELIVERED_RETRY_S)
+
+    def _answer_held(self, message: AskHeldJobs) -> None:
+        """Tell the sender which of its jobs asked about are held nowhere here (it fails them)."""
+        if (outbox := self._senders.get(message.reply_to)) is None:
+            return  # detached: its jobs went with it, and it knows
+        not_held = [job for job in message.jobs if (key := (message.reply_to, job)) not in self._jobs and key not in self._delivering]
+        try:
+            outbox.send_frames_nowait(encode_not_held(not_held))
+        except zmq.Again:
+            pass  # not connected now: it asks again

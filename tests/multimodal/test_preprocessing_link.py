@@ -17,6 +17,7 @@ from mmserve.multimodal.preprocessing_client import NoReplicaAttached, Preproces
 from mmserve.multimodal.preprocessing_link import AnswerFramesError, decode_answer, encode_answer
 from mmserve.multimodal.preprocessing_server import PreprocessingServer
 from mmserve.multimodal.types import PixelMode
+from mmserve.zmq_link import LinkOutbox
 
 HOST = "127.0.0.1"
 
@@ -81,10 +82,11 @@ class Replica:
 
 
 @contextlib.asynccontextmanager
-async def _linked(*works: Callable[[ImageBatchRequest], Awaitable[ProcessedImages | ImagesRefused]], detached=None):
+async def _linked(*works: Callable[[ImageBatchRequest], Awaitable[ProcessedImages | ImagesRefused]], detached=None,
+                  job_check_s: float = 10.0):
     """Replicas doing `works`, attached as "r1", "r2", ... to an engine client's end; all closed after."""
     inbox = PreprocessingInbox(HOST)
-    replicas = PreprocessorReplicas(inbox, detached=detached or (lambda name: None))
+    replicas = PreprocessorReplicas(inbox, detached=detached or (lambda name: None), job_check_s=job_check_s)
     servers = [Replica(work) for work in works]
     for number, replica in enumerate(servers, 1):
         replica.server.attach(inbox.address)
@@ -92,6 +94,7 @@ async def _linked(*works: Callable[[ImageBatchRequest], Awaitable[ProcessedImage
     try:
         yield replicas, servers, inbox
     finally:
+        replicas.close()
         for replica in servers:
             replica.server.close()
         inbox.close()
@@ -219,6 +222,47 @@ def test_an_answer_for_a_sender_whose_inbox_is_gone_is_dropped_not_kept(monkeypa
 
     with caplog.at_level("WARNING", logger="ray.serve"):
         _run(scenario)
+
+
+def test_a_job_the_replica_does_not_hold_fails_as_lost_and_one_it_holds_waits_on():
+    """What a broken connection leaves, made here: the replica ends one job without answering (as if its
+    message never arrived, or its answer was dropped undelivered), and the sender, asking after its old
+    jobs, learns that this one is held nowhere, while the other, still worked on, waits."""
+    async def scenario():
+        async with _linked(_forever, job_check_s=0.2) as (replicas, [replica], inbox):
+            lost = asyncio.ensure_future(replicas.process(_request("lost")))
+            await _until(lambda: replica.started == ["lost"])
+            held = asyncio.ensure_future(replicas.process(_request("held")))
+            await _until(lambda: replica.started == ["lost", "held"])
+            replica.server._jobs.pop((inbox.address, 1)).cancel()  # job 1, "lost": gone, no answer, no CancelJobs
+            with pytest.raises(ReplicaLost, match="does not hold job 1"):
+                await asyncio.wait_for(lost, 2)
+            await asyncio.sleep(0.8)  # asked four more times: held
+            assert not held.done() and replica.cancelled == ["lost"]
+            held.cancel()
+            await _until(lambda: replica.cancelled == ["lost", "held"])
+
+    _run(scenario)
+
+
+def test_a_job_the_replica_is_still_delivering_counts_as_held():
+    """An answer waiting for its sender's inbox to be connected again (`UNDELIVERED_TRIES`) is not lost yet."""
+    from mmserve.multimodal.preprocessing_link import AskHeldJobs, decode_answer, encode_message
+
+    async def scenario():
+        inbox = PreprocessingInbox(HOST)
+        server = PreprocessingServer(_forever, HOST)
+        server.attach(inbox.address)
+        server._delivering.add((inbox.address, 7))
+        outbox = LinkOutbox(server.address)
+        outbox.send_nowait(encode_message(AskHeldJobs(inbox.address, [7, 8])))
+        frames = await asyncio.wait_for(inbox._inbox.recv_frames(), 5)
+        assert decode_answer(frames).not_held == [8]
+        outbox.close()
+        server.close()
+        inbox.close()
+
+    _run(scenario)
 
 
 def test_a_job_that_fails_is_answered_as_busy_and_logged_with_its_traceback(caplog):
