@@ -21,6 +21,7 @@ brings the preprocessor's response with it, resolved here by Ray from its object
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -148,11 +149,13 @@ class EngineClientDeployment:
             previous.cancel()  # one stream per caller: the newest
         self._subscribers[caller] = task
         outbox = LinkOutbox(inbox)
+        stream = int.from_bytes(os.urandom(6), "big")
         try:
             yield encode(OutputBatch(replica=self.replica, requests_address=self._inbox.address, takes_images=True))
-            while True:
+            for seq in itertools.count(1):
                 outputs, failures, answers = await channel.take()
-                outbox.send_nowait(encode(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures], answers)))
+                failed = [RequestFailed(rid, why) for rid, why in failures]
+                outbox.send_nowait(encode(OutputBatch(outputs, failed, answers, stream=stream, seq=seq)))
         finally:
             outbox.close()
             if self._subscribers.get(caller) is task:

@@ -99,6 +99,11 @@ class OutputBatch(msgspec.Struct, frozen=True, omit_defaults=True):
     replica: str | None = None
     requests_address: str | None = None
     takes_images: bool = False
+    # Which `subscribe` call's stream this batch is of (a random number per call), and its number
+    # there, from 1 (0: the call's first item, or an engine client of an older version). A number
+    # skipped is a batch lost: a broken connection, which ZMQ remakes, loses what was on its way.
+    stream: int = 0
+    seq: int = 0
 
 
 class TextRequest(msgspec.Struct, frozen=True, tag="add"):

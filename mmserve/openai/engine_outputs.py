@@ -5,6 +5,8 @@ An ingress replica receives the outputs of all its requests on one engine client
 `RequestOutputs`, which merges while its consumer lags (vLLM's `RequestOutputCollector`): a slow
 consumer takes everything that arrived at once, never one queue item per token. The answers to
 text requests sent over the link come in the same batches, and go to their requests the same way.
+A batch lost on the way (numbered batches, one number skipped: a broken connection that ZMQ remade)
+fails every request in flight there: which of them missed outputs nobody can tell.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from mmserve.protocol import AddAnswer, OutputBatch
 from mmserve.wire import EngineCoreOutput
 
 from .engine_router import ReplicaLostError
+
+# Streams whose batch numbers are remembered (one per `subscribe` call: a new one each time this
+# replica subscribes again).
+RECENT_STREAMS = 8
 
 
 class RequestOutputs:
@@ -77,6 +83,8 @@ class OutputDemux:
         self._requests: dict[str, RequestOutputs] = {}
         # The engine-client replica whose stream is being read (None: none yet).
         self.replica: str | None = None
+        # The last batch number seen of each recent stream (`OutputBatch.stream`), the newest last.
+        self._last_seq: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -90,6 +98,12 @@ class OutputDemux:
         self._requests.pop(request_id, None)
 
     def dispatch(self, batch: OutputBatch) -> None:
+        if batch.seq and self._skipped(batch):
+            # Outputs of some of them are gone, and the rest of their text cannot be told apart from
+            # what was lost: the lost batch's requests, unknown, fail all (the engine client aborts
+            # them when their calls are cancelled), and so does this batch.
+            self._fail_in_flight(ReplicaLostError("outputs from the engine client were lost on the way (a broken connection)"))
+            return
         requests = self._requests
         for output in batch.outputs:
             if (outputs := requests.get(output.request_id)) is not None:
@@ -100,6 +114,19 @@ class OutputDemux:
         for answer in batch.answers:
             if (outputs := requests.get(answer.request_id)) is not None:
                 outputs.answered(answer)
+
+    def _skipped(self, batch: OutputBatch) -> bool:
+        """Whether a batch of the newest stream came before this one and never arrived. (Batches of
+        an older stream, late, are checked against their own stream, never failing the newest's.)"""
+        last = self._last_seq.get(batch.stream)
+        if last is None:
+            if len(self._last_seq) >= RECENT_STREAMS:
+                del self._last_seq[next(iter(self._last_seq))]
+            self._last_seq[batch.stream] = batch.seq
+            return batch.seq != 1
+        self._last_seq[batch.stream] = max(last, batch.seq)
+        newest = next(reversed(self._last_seq))
+        return batch.seq > last + 1 and batch.stream == newest
 
     def connected(self, replica: str) -> None:
         """A stream from `replica` began: requests admitted by any other replica will never hear
@@ -113,6 +140,9 @@ class OutputDemux:
         """The stream ended: every admitted request fails, and every request sent over the link
         whose answer had not come (a pending `add` over Ray learns its fate itself)."""
         self.replica = None
+        self._fail_in_flight(error)
+
+    def _fail_in_flight(self, error: BaseException) -> None:
         for outputs in self._requests.values():
             if outputs.replica is not None or outputs.awaiting_answer:
                 outputs.fail(error)
