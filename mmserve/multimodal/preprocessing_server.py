@@ -99,15 +99,15 @@ class PreprocessingServer:
                 self._jobs[key] = loop.create_task(self._run(message), name="preprocessor-job", context=contextvars.Context())
 
     async def _run(self, message: PreprocessJob) -> None:
+        key = (message.reply_to, message.job)
         try:
             answer = await self._process(message.request)
         except Exception as exc:  # the preprocessor's own bug: logged here, a 503 for the client
             logger.exception("preprocessor: job %d failed", message.job)
             answer = ImagesRefused(f"image preprocessing failed: {type(exc).__name__}; retry shortly", kind="busy", retry_after_s=1)
         finally:
-            self._jobs.pop((message.reply_to, message.job), None)
+            self._jobs.pop(key, None)
         frames = encode_answer(message.job, answer)
-        key = (message.reply_to, message.job)
         self._delivering.add(key)
         try:
             for _ in range(UNDELIVERED_TRIES):

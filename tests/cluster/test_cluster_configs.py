@@ -76,8 +76,8 @@ def test_with_launched_engines_the_front_end_stays_off_the_engines_nodes():
         (serve_launch, {name: t["resources"] for name, t in launcher.items()}, ("head", "cpu_worker"), ("gpu_worker",)),
         (kuberay, groups, ("head", "cpu"), ("gpu",)),
     ):
-        asked = [AppConfig.model_validate(args).preprocessor.resources, AppConfig.model_validate(args).ingress_resources]
-        for resources in asked:
+        config = AppConfig.model_validate(args)
+        for resources in (config.preprocessor.resources, config.ingress_resources):
             assert resources and set(resources) <= {"mmserve_front_end"}
             for node in front_end_nodes:
                 assert all(nodes[node].get(name, 0) >= amount for name, amount in resources.items()), node
