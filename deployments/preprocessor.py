@@ -13,6 +13,7 @@ through the replica's own admission (`replica_admission.py`).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from mmserve.vision import resize_path, warm_up_resize
 
 from .caller_watch import HeldCalls
 from .inline_args import join_payloads
+from .pixel_store import OBJECT_REF_ENV, RayPixelStore
 from .preprocessor_autoscaling import PREPROCESSOR_REQUESTS_METRIC, preprocessor_load_policy
 from .ray_node import node_ip, replica_ids
 from .replica_logs import log_package_to_replica
@@ -83,7 +85,9 @@ class PreprocessorScaling:
         requests itself (`PreprocessorSettings.max_ongoing_requests`); Serve's own limit only has to
         leave room for them and for the engine clients' attachments."""
         return {
-            "ray_actor_options": {"num_cpus": self.num_cpus, "resources": dict(self.resources)},
+            "ray_actor_options": {
+                "num_cpus": self.num_cpus, "resources": dict(self.resources), "runtime_env": {"env_vars": dict(OBJECT_REF_ENV)},
+            },
             "max_ongoing_requests": self.max_ongoing_requests + self.max_queued_requests + ATTACHMENTS_PER_REPLICA,
             "autoscaling_config": AutoscalingConfig(
                 min_replicas=self.min_replicas,
@@ -119,7 +123,7 @@ class PreprocessorDeployment:
         log_package_to_replica()
         self.preprocessor = build_preprocessor(settings)
         self.admission = ReplicaAdmission(settings.max_ongoing_requests, settings.max_queued_requests)
-        self.link = PreprocessingServer(self._answer, node_ip())
+        self.link = PreprocessingServer(self._answer, node_ip(), RayPixelStore())
         self.replica = replica_ids()[1]
         self._attachments = HeldCalls("ending its attachment and cancelling its jobs")
         warm_up_resize()  # compiling the resize takes ≈2 s (0.3 s from numba's cache): now, not in a request
@@ -149,6 +153,9 @@ class PreprocessorDeployment:
             await self._attachments.until_gone(caller)
         finally:
             self.link.detach(reply_to)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metric (`preprocessor_autoscaling.py`)."""

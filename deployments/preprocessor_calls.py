@@ -29,6 +29,7 @@ from mmserve.protocol import PreprocessorName
 
 from .engine_pool_members import pool_members, watch_members
 from .inline_args import cut_payloads
+from .pixel_store import RayPixelStore
 from .ray_errors import describe, innermost_cause
 from .ray_node import replica_ids
 
@@ -175,7 +176,7 @@ class PreprocessorCalls:
         links = self._links.get((name.app, name.deployment))
         if links is None:
             if self._inbox is None:
-                self._inbox = PreprocessingInbox(self._host)
+                self._inbox = PreprocessingInbox(self._host, RayPixelStore())
             links = self._links[(name.app, name.deployment)] = PreprocessorLinks(name, self._inbox, self._deployment_handle(name))
         return links
 

@@ -33,7 +33,6 @@ import asyncio
 import collections
 import os
 import threading
-from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -44,17 +43,15 @@ CLOSE_WAIT_S = 2.0
 
 class SocketReader:
     """Reads `socket` (a bound sync PULL socket, handed over: nobody else may use it) in a thread
-    started by the first `recv`, on that call's event loop. Each message is one frame's bytes, or,
-    `multipart`, its list of frames as zmq received them (not copied)."""
+    started by the first `recv`, on that call's event loop. Each message is one frame's bytes."""
 
-    def __init__(self, socket: zmq.Socket, *, name: str, multipart: bool = False) -> None:
+    def __init__(self, socket: zmq.Socket, *, name: str) -> None:
         self._socket = socket
         self._name = name
-        self._multipart = multipart
         self._stop_token = os.urandom(16)
         self._stop_address = f"inproc://mmserve-stop-{self._stop_token.hex()}"
         socket.bind(self._stop_address)
-        self._received: collections.deque[Any] = collections.deque()
+        self._received: collections.deque[bytes] = collections.deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future[None] | None = None
         # Set by the thread when a wake-up is on its way to the loop, cleared by the loop when it
@@ -63,7 +60,7 @@ class SocketReader:
         self._thread: threading.Thread | None = None
         self.closed = False
 
-    async def recv(self) -> Any:
+    async def recv(self) -> bytes:
         """The next message, in arrival order (waits for one)."""
         if self._thread is None:
             self._start()
@@ -105,12 +102,12 @@ class SocketReader:
         self._thread.start()
 
     def _read(self) -> None:
-        socket, token, loop, multipart = self._socket, self._stop_token, self._loop, self._multipart
+        socket, token, loop = self._socket, self._stop_token, self._loop
         assert loop is not None
         try:
             while True:
-                message: Any = socket.recv_multipart(copy=False) if multipart else socket.recv()
-                if (message[0].bytes == token and len(message) == 1) if multipart else message == token:
+                message = socket.recv()
+                if message == token:
                     return
                 self._received.append(message)
                 if not self._wake_pending:
@@ -134,21 +131,17 @@ class LinkInbox:
     """The receiving end: bound once, for its owner's life; every sender connects to it.
     Read on one event loop (the first `recv`'s)."""
 
-    def __init__(self, host: str, *, name: str = "link-inbox", multipart: bool = False) -> None:
+    def __init__(self, host: str, *, name: str = "link-inbox") -> None:
         # A sync socket on the asyncio context's own (no second zmq I/O thread in the process).
         socket = zmq.Context.shadow(zmq.asyncio.Context.instance().underlying).socket(zmq.PULL)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.LINGER, 0)
         port = socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._reader = SocketReader(socket, name=name, multipart=multipart)
+        self._reader = SocketReader(socket, name=name)
 
     async def recv(self) -> bytes:
         """The next message, in arrival order (waits for one)."""
-        return await self._reader.recv()
-
-    async def recv_frames(self) -> list[zmq.Frame]:
-        """The next message of a `multipart` inbox: its frames, uncopied."""
         return await self._reader.recv()
 
     def close(self) -> None:
@@ -176,10 +169,9 @@ class LinkOutbox:
         exists from `connect` on, so zmq queues what the inbox has not taken yet)."""
         self._socket.send(message, zmq.NOBLOCK, copy=len(message) < 65536)
 
-    def send_frames_nowait(self, frames: list[Any]) -> None:
-        """Hand a multipart message to zmq now, its frames not copied (each must stay unchanged
-        until sent)."""
-        self._socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+    @property
+    def closed(self) -> bool:
+        return self._socket.closed
 
     def close(self) -> None:
         self._socket.close(linger=0)

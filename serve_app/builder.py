@@ -29,11 +29,14 @@ ENGINE_APPLICATION_DRAIN_TIMEOUT_S = 600.0
 
 def _engine_client_placement(config: AppConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """An engine client's Ray actor options and placement group options."""
+    from deployments.pixel_store import OBJECT_REF_ENV
+
+    runtime_env = {"env_vars": dict(OBJECT_REF_ENV)}  # it holds references to pixels
     if config.engine_launch is None:
-        return {"num_cpus": 0, "resources": dict(config.engine_client_resources)}, {}
+        return {"num_cpus": 0, "resources": dict(config.engine_client_resources), "runtime_env": runtime_env}, {}
     # Bundle 0: the engine client; bundle 1: its engine's launcher. STRICT_PACK puts both on one
     # node (placed by the engine's resources), so they talk over loopback.
-    return {"num_cpus": ENGINE_CLIENT_CPUS}, {
+    return {"num_cpus": ENGINE_CLIENT_CPUS, "runtime_env": runtime_env}, {
         "placement_group_bundles": [{"CPU": ENGINE_CLIENT_CPUS}, dict(config.engine_launch.resources)],
         "placement_group_strategy": "STRICT_PACK",
     }

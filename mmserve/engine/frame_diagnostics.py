@@ -1,8 +1,7 @@
 """Diagnostics for operators (`trace_wire_frames`): where each zero-copy frame sent to the engine lived.
 
 A trace shows that a frame is the memory the pixels arrived in, not a copy of it: the object-store
-memory the preprocessor wrote (pixels resolved from a Serve call), read from /proc/self/maps
-(Linux), or the ZMQ frame the preprocessing link received them in; `tests/e2e/test_zero_copy.py`
+memory the preprocessor wrote, read from /proc/self/maps (Linux); `tests/e2e/test_zero_copy.py`
 checks it.
 """
 
@@ -22,9 +21,6 @@ class FrameTrace(msgspec.Struct, frozen=True):
     # object store, "[heap]" or "" for anonymous memory.
     mapping: str
     mapping_offset: int
-    # The array is a view of a ZMQ frame this process received (the preprocessing link's answer),
-    # starting at that frame's first byte.
-    received_zmq_frame: bool = False
 
     @classmethod
     def of(cls, array: np.ndarray, frame: zmq.Frame) -> "FrameTrace":
@@ -37,19 +33,7 @@ class FrameTrace(msgspec.Struct, frozen=True):
             array_writeable=bool(array.flags.writeable),
             mapping=mapping,
             mapping_offset=offset,
-            received_zmq_frame=_is_received_frame(array),
         )
-
-
-def _is_received_frame(array: np.ndarray) -> bool:
-    """Whether `array` views a `zmq.Frame`'s buffer from its start (numpy views, then the memoryview)."""
-    owner: object = array
-    while isinstance(owner, np.ndarray) and owner.base is not None:
-        owner = owner.base
-    if isinstance(owner, memoryview) and isinstance(owner.obj, zmq.Frame):
-        start = np.frombuffer(owner.obj.buffer, dtype=np.uint8).__array_interface__["data"][0]
-        return start == array.__array_interface__["data"][0]
-    return False
 
 
 def locate(address: int) -> tuple[str, int]:

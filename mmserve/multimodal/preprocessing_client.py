@@ -1,6 +1,7 @@
 """An engine client's end of the preprocessing link: jobs to the preprocessor replicas, answers back at its own inbox.
 
-The engine client binds one inbox for answers (multipart: pixels as frames of their own) and knows,
+The engine client binds one inbox for answers (their pixels named in the pixel store, mapped from
+there and then released to the replica: `preprocessing_link.py`) and knows,
 per preprocessor deployment, the replicas it is attached to (`PreprocessorReplicas`: the Ray side,
 `deployments/preprocessor_calls.py`, attaches and detaches them as Serve's replica list changes). A
 job goes to the attached replica with the fewest of this client's jobs; the replica itself admits,
@@ -21,7 +22,10 @@ from collections.abc import Callable
 
 from mmserve.zmq_link import LinkInbox, LinkOutbox
 
-from .preprocessing_link import AnswerFramesError, AskHeldJobs, CancelJobs, PreprocessJob, decode_answer, encode_message
+from .preprocessing_link import (
+    AnswerError, AnswerHead, AskHeldJobs, CancelJobs, PixelsLost, PixelStore, PreprocessJob, ReleasePixels, decode_answer,
+    decode_head, encode_message,
+)
 from .types import ImageBatchRequest, ImagesRefused, ProcessedImages
 
 logger = logging.getLogger("ray.serve")
@@ -39,17 +43,23 @@ class NoReplicaAttached(Exception):
     """No replica of the deployment is attached yet (or none is left): use the Serve call."""
 
 
-class PreprocessingInbox:
-    """Where every replica's answers to this engine client arrive, matched to their jobs."""
+# An answer as it arrived, and what was read of it before its pixels.
+Arrived = tuple[bytes, AnswerHead]
 
-    def __init__(self, host: str) -> None:
-        self._inbox = LinkInbox(host, name="preprocessing-answers", multipart=True)
+
+class PreprocessingInbox:
+    """Where every replica's answers to this engine client arrive, matched to their jobs; their pixels
+    are read from `store`."""
+
+    def __init__(self, host: str, store: PixelStore) -> None:
+        self._inbox = LinkInbox(host, name="preprocessing-answers")
         self.address = self._inbox.address
+        self.store = store
         self._jobs = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future[ProcessedImages | ImagesRefused]] = {}
+        self._waiting: dict[int, asyncio.Future[Arrived]] = {}
         self._reader: asyncio.Task[None] | None = None
 
-    def expect(self) -> tuple[int, asyncio.Future[ProcessedImages | ImagesRefused]]:
+    def expect(self) -> tuple[int, asyncio.Future[Arrived]]:
         """A new job's id and the future its answer will resolve."""
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read(), name="preprocessing-answers", context=contextvars.Context())
@@ -62,21 +72,21 @@ class PreprocessingInbox:
 
     async def _read(self) -> None:
         while True:
-            frames = await self._inbox.recv_frames()
+            data = await self._inbox.recv()
             try:
-                answer = decode_answer(frames)
-            except AnswerFramesError as exc:
-                logger.warning("engine client: an unreadable preprocessing answer (%d frames): %s", len(frames), exc)
+                head = decode_head(data)
+            except AnswerError as exc:
+                logger.warning("engine client: an unreadable preprocessing answer (%d bytes): %s", len(data), exc)
                 continue
-            if answer.not_held is not None:
-                for job in answer.not_held:
+            if head.not_held is not None:
+                for job in head.not_held:
                     future = self._waiting.pop(job, None)
                     if future is not None and not future.done():
                         future.set_exception(ReplicaLost(f"the preprocessor replica does not hold job {job}: its message or answer was lost"))
                 continue
-            future = self._waiting.pop(answer.job, None)
+            future = self._waiting.pop(head.job, None)
             if future is not None and not future.done():
-                future.set_result(answer.answer)
+                future.set_result((data, head))
 
     def close(self) -> None:
         if self._reader is not None:
@@ -89,7 +99,7 @@ class AttachedReplica:
 
     def __init__(self, address: str) -> None:
         self.outbox = LinkOutbox(address)
-        self.jobs: dict[int, asyncio.Future[ProcessedImages | ImagesRefused]] = {}
+        self.jobs: dict[int, asyncio.Future[Arrived]] = {}
         # When each job was sent (the loop's clock).
         self.sent: dict[int, float] = {}
         self.leaving = False
@@ -144,9 +154,11 @@ class PreprocessorReplicas:
         if self._checker is None:
             self._checker = asyncio.get_running_loop().create_task(self._check_jobs(), name="preprocessing-job-check", context=contextvars.Context())
         try:
-            return await answer
+            data, head = await answer
+            return await self._read(data, head, job, attached)
         except asyncio.CancelledError:
-            # (Cancelling this task cancels the future it awaits: `answer` has no result then.)
+            # (Cancelling this task cancels the future it awaits: `answer` has no result then. The
+            # replica lets the job's pixels go if it answered meanwhile.)
             if (answer.cancelled() or not answer.done()) and self._replicas.get(replica) is attached:
                 attached.outbox.send_nowait(encode_message(CancelJobs(self._inbox.address, [job])))
             raise
@@ -155,6 +167,22 @@ class PreprocessorReplicas:
             attached.sent.pop(job, None)
             if attached.jobs.pop(job, None) is not None:
                 self._detach_if_done(replica, attached)
+
+    async def _read(self, data: bytes, head: AnswerHead, job: int, attached: AttachedReplica) -> ProcessedImages | ImagesRefused:
+        """The answer, its pixels mapped from the store and then released (the mapping keeps them)."""
+        stored: list = []
+        if head.pixels is not None:
+            try:
+                stored = await self._inbox.store.get(head.pixels)
+            except PixelsLost as exc:
+                raise ReplicaLost(f"the pixels of job {job} were lost: {exc}") from None
+            finally:
+                if not attached.outbox.closed:
+                    attached.outbox.send_nowait(encode_message(ReleasePixels(self._inbox.address, [job])))
+        try:
+            return decode_answer(data, stored).answer
+        except AnswerError as exc:
+            raise ReplicaLost(f"the answer to job {job} could not be read: {exc}") from None
 
     def close(self) -> None:
         if self._checker is not None:

@@ -1,23 +1,46 @@
-"""What travels over the preprocessing link: engine clients' jobs to a preprocessor replica's inbox, and its answers, pixels as frames of their own.
+"""What travels over the preprocessing link: engine clients' jobs to a preprocessor replica's inbox, and its answers, the pixels named in the store.
 
-A Serve call to the preprocessor costs both sides ≈14 ms of Ray's and Serve's CPU per image request
-(its routing, the replica's two event loops, the result's object-store write and read:
-`bench/RESULTS.md`, "by thread"), about what vLLM's whole API server spends on it. Over ZMQ the job
-is one small message (`PreprocessJob`, its images' URLs or data URIs inside) and the answer one
-multipart message: a msgpack header, then each array's memory as a frame of its own, sent from the
-preprocessor's array and received as a ZMQ frame that the engine client's array is a view of, so
-the pixels are copied only by the sockets themselves.
+A job is one small message (`PreprocessJob`, its images' URLs or data URIs inside); its answer is one
+message too, a msgpack header whose large arrays are not in it: the replica writes them once into the
+pixel store (Ray's object store: `deployments/pixel_store.py`) and the answer names them there
+(`JobAnswer.pixels`). The engine client maps them in place, tells the replica it has
+(`ReleasePixels`: the replica then lets them go, and the memory stays only as long as the engine
+client's own mapping, until the engine's socket has sent it), and hands that memory to the engine's
+socket uncopied. Arrays below `STORE_MIN_BYTES`, which every socket copies anyway, travel inside the
+header.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
-import zmq
 
 from .types import ImageBatchRequest, ImagesRefused, ProcessedImages
+
+# Arrays this large or larger go through the pixel store; smaller ones inside the answer (the engine's
+# socket copies anything smaller than this, as pyzmq does: `mmserve/engine/transport.py`).
+STORE_MIN_BYTES = 64 * 1024
+
+
+class PixelsLost(Exception):
+    """Pixels named by an answer could not be read from the store (freed, or their writer died)."""
+
+
+class PixelStore(Protocol):
+    """Where a preprocessor replica writes a request's large arrays for the engine client that asked
+    (Ray's object store in a deployment: `deployments/pixel_store.py`)."""
+
+    def put(self, arrays: list[np.ndarray]) -> tuple[bytes, Any]:
+        """Write `arrays` once: their name for the reader, and the writer's hold on them (they stay
+        while it is kept)."""
+        ...
+
+    async def get(self, name: bytes) -> list[np.ndarray]:
+        """The arrays named `name`, mapped where they lie (read-only); raises `PixelsLost`."""
+        ...
 
 
 class PreprocessorHello(msgspec.Struct, frozen=True):
@@ -54,17 +77,28 @@ class AskHeldJobs(msgspec.Struct, frozen=True, tag="held?"):
     jobs: list[int]
 
 
+class ReleasePixels(msgspec.Struct, frozen=True, tag="release"):
+    """The sender at `reply_to` has mapped these jobs' pixels (or will never read them): the replica
+    lets them go."""
+
+    reply_to: str
+    jobs: list[int]
+
+
 # What an engine client sends a preprocessor replica's inbox.
-PreprocessorMessage = PreprocessJob | CancelJobs | AskHeldJobs
+PreprocessorMessage = PreprocessJob | CancelJobs | AskHeldJobs | ReleasePixels
 
 
-class JobAnswer(msgspec.Struct, frozen=True):
-    """The header frame of an answer: the images or the refusal; each array of `images` is encoded
-    as `[frame, dtype, shape]`, its memory being frame `frame` of the message (the header is 0)."""
+class JobAnswer(msgspec.Struct, frozen=True, omit_defaults=True):
+    """An answer: the images or the refusal. Each array of `images` is encoded as `[dtype, shape,
+    data]`, `data` being its bytes (a small array) or its index in the arrays the store holds under
+    `pixels` (as vLLM's own wire encodes arrays, with frames: `mmserve/wire/codec.py`)."""
 
     job: int
     images: ProcessedImages | None = None
     refused: ImagesRefused | None = None
+    # The name of the answer's large arrays in the pixel store (None: it has none).
+    pixels: bytes | None = None
     # Set instead (job 0): the answer to `AskHeldJobs`, the jobs asked about that the replica does not hold.
     not_held: list[int] | None = None
 
@@ -74,15 +108,24 @@ class JobAnswer(msgspec.Struct, frozen=True):
             return self.images
         if self.refused is not None:
             return self.refused
-        raise AnswerFramesError(f"the answer to job {self.job} holds neither images nor a refusal")
+        raise AnswerError(f"the answer to job {self.job} holds neither images nor a refusal")
 
 
-class AnswerFramesError(ValueError):
-    """An answer's frames do not make an answer (a peer of another version, or a bug)."""
+class AnswerHead(msgspec.Struct, frozen=True):
+    """What the engine client reads of an answer before its pixels: which job, and where they are."""
+
+    job: int
+    pixels: bytes | None = None
+    not_held: list[int] | None = None
+
+
+class AnswerError(ValueError):
+    """An answer that makes no answer (a peer of another version, or a bug)."""
 
 
 _message_encoder = msgspec.msgpack.Encoder()
 _message_decoder: msgspec.msgpack.Decoder[PreprocessorMessage] = msgspec.msgpack.Decoder(PreprocessorMessage)  # type: ignore[arg-type]
+_head_decoder = msgspec.msgpack.Decoder(AnswerHead)
 
 
 def encode_message(message: PreprocessorMessage) -> bytes:
@@ -93,47 +136,59 @@ def decode_message(data: bytes) -> PreprocessorMessage:
     return _message_decoder.decode(data)
 
 
-def encode_answer(job: int, answer: ProcessedImages | ImagesRefused) -> list[Any]:
-    """The answer's frames: the header, then every array's memory (not copied: the arrays
-    themselves, which must stay unchanged until zmq has sent them)."""
-    buffers: list[np.ndarray] = []
+def encode_answer(job: int, answer: ProcessedImages | ImagesRefused, put: Callable[[list[np.ndarray]], tuple[bytes, Any]]) -> tuple[bytes, Any]:
+    """The answer's message, and the hold on its pixels in the store (None: it put none there). The
+    large arrays are written there with one `put`."""
+    stored: list[np.ndarray] = []
 
     def array_ref(value: Any) -> Any:
         if not isinstance(value, np.ndarray):
             raise TypeError(f"cannot encode {type(value).__name__}")
         array = np.ascontiguousarray(value)
-        buffers.append(array)
-        return [len(buffers), array.dtype.str, list(array.shape)]
+        if array.nbytes < STORE_MIN_BYTES:
+            return [array.dtype.str, list(array.shape), array.tobytes()]
+        stored.append(array)
+        return [array.dtype.str, list(array.shape), len(stored) - 1]
 
-    message = JobAnswer(job, images=answer) if isinstance(answer, ProcessedImages) else JobAnswer(job, refused=answer)
-    header = msgspec.msgpack.Encoder(enc_hook=array_ref).encode(message)
-    return [header, *buffers]
+    if isinstance(answer, ImagesRefused):
+        return _message_encoder.encode(JobAnswer(job, refused=answer)), None
+    images = msgspec.msgpack.Encoder(enc_hook=array_ref).encode(answer)
+    name, hold = put(stored) if stored else (None, None)
+    # The images are encoded once, before the put that names their arrays; the header around them after.
+    return _message_encoder.encode(JobAnswer(job, images=msgspec.Raw(images), pixels=name)), hold  # type: ignore[arg-type]
 
 
-def encode_not_held(jobs: list[int]) -> list[Any]:
-    """The frames of the answer to `AskHeldJobs`: `jobs` are held nowhere."""
-    return [msgspec.msgpack.encode(JobAnswer(0, not_held=jobs))]
+def encode_not_held(jobs: list[int]) -> bytes:
+    """The answer to `AskHeldJobs`: `jobs` are held nowhere."""
+    return _message_encoder.encode(JobAnswer(0, not_held=jobs))
 
 
-def decode_answer(frames: list[zmq.Frame] | list[bytes]) -> JobAnswer:
-    """The answer of these frames (as received, uncopied: each array a read-only view of its frame)."""
+def decode_head(data: bytes) -> AnswerHead:
+    try:
+        return _head_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise AnswerError(str(exc)) from None
+
+
+def decode_answer(data: bytes, stored: Sequence[np.ndarray] = ()) -> JobAnswer:
+    """The answer of `data`, its large arrays taken from `stored` (what the store holds under its
+    `pixels`, uncopied); the small ones read-only copies out of `data`."""
 
     def array_of(kind: type, value: Any) -> Any:
         if kind is not np.ndarray:
             raise TypeError(f"cannot decode {kind}")
-        frame, dtype, shape = value
-        if not isinstance(frame, int) or not 0 < frame < len(frames):
-            raise ValueError(f"an array reference {value!r} names no frame of {len(frames)}")
-        memory = frames[frame]
-        buffer = memory.buffer if isinstance(memory, zmq.Frame) else memory
-        array = np.frombuffer(buffer, dtype=np.dtype(dtype)).reshape(shape)
-        array.flags.writeable = False
+        dtype, shape, data = value
+        if isinstance(data, int):
+            if not 0 <= data < len(stored):
+                raise ValueError(f"an array reference {data} names none of {len(stored)} stored arrays")
+            array = stored[data]
+            if array.dtype != np.dtype(dtype) or list(array.shape) != list(shape):
+                raise ValueError(f"stored array {data} is {array.dtype}{list(array.shape)}, not {dtype}{shape}")
+            return array
+        array = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
         return array
 
-    if not frames:
-        raise AnswerFramesError("an answer with no frames")
-    header = frames[0].bytes if isinstance(frames[0], zmq.Frame) else frames[0]
     try:
-        return msgspec.msgpack.Decoder(JobAnswer, dec_hook=array_of).decode(header)
-    except msgspec.DecodeError as exc:  # (a `ValidationError` too: a dtype or shape its frame cannot hold)
-        raise AnswerFramesError(str(exc)) from None
+        return msgspec.msgpack.Decoder(JobAnswer, dec_hook=array_of).decode(data)
+    except msgspec.DecodeError as exc:  # (a `ValidationError` too: a dtype or shape its data cannot hold)
+        raise AnswerError(str(exc)) from None

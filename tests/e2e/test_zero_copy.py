@@ -1,10 +1,8 @@
-"""Pixels go from the preprocessor to the engine's socket with no copy but the sockets' own.
+"""Pixels go from the preprocessor to the engine's socket with no copy but the object store's write.
 
-Over the ingress's link (`n` = 1) the engine client has the preprocessor process the images over
-the preprocessing link: it must hand the engine's socket the very ZMQ frame the pixels arrived in.
-As Ray calls (`n` > 1) the engine client resolves the ingress's preprocessing call, whose answer
-Ray wrote once into its object store: it must hand ZMQ that very memory (a read-only mapping of
-the object store's shared-memory file), and the ingress must never map it at all.
+Whichever way a request is sent, the engine client hands the engine's socket the very memory the
+preprocessor wrote into Ray's object store: a read-only mapping of the store's shared-memory file at
+the object's pages, which the preprocessor's process wrote and the ingress never touched.
 """
 
 from __future__ import annotations
@@ -26,9 +24,8 @@ pytestmark = pytest.mark.serve
 
 
 def _png_uri(width: int, height: int) -> str:
-    """A gradient: a few kB as PNG, so the preprocessing request travels inline in its Ray call
-    and the ingress writes nothing to the object store (its own writes there, freed and reused
-    for the pixels, would look like the ingress touching them)."""
+    """A gradient: a few kB as PNG, so the request's own bytes never pass through the object store
+    (the ingress's writes there, freed and reused for the pixels, would look like it touching them)."""
     y, x = np.mgrid[0:height, 0:width]
     pixels = np.stack([x * 255 // width, y * 255 // height, (x + y) % 256], axis=-1).astype(np.uint8)
     buf = io.BytesIO()
@@ -46,70 +43,46 @@ def zerocopy_app(serve_instance):
     serve.delete("zerocopy", _blocking=True)
 
 
-def _attached(app) -> None:
-    """Image requests until one goes over the preprocessing link (the engine client attaches to the
-    preprocessor's replicas on its first image request; until then it calls them through Serve)."""
-    for attempt in range(20):
-        before = app.engine_info().link_images_over_preprocessing_link
-        app.openai().chat.completions.create(
-            model="mmserve-builtin", max_tokens=1,
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_uri(64 + attempt, 48)}}]}],
-        )
-        if app.engine_info().link_images_over_preprocessing_link > before:
-            return
-        time.sleep(0.2)
-    raise AssertionError("the engine client never attached to the preprocessor")
-
-
-@pytest.mark.parametrize("n", [1, 2], ids=["over-the-link", "as-ray-calls"])
-def test_engine_client_sends_the_memory_the_pixels_arrived_in_and_ingress_never_maps_it(zerocopy_app, n):
+@pytest.mark.parametrize("n", [1, 2], ids=["one-choice", "two-choices"])
+def test_engine_client_sends_the_pages_the_preprocessor_wrote_and_ingress_never_maps_them(zerocopy_app, n):
     from ray import serve
 
     app = zerocopy_app
     app.openai().chat.completions.create(  # the ingress's link to the engine client is open
         model="mmserve-builtin", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
     )
-    _attached(app)
-    before = app.engine_info()
     family = load_image_family(BUILTIN_MODEL_DIR)
-    width, height = 640, 480
-    ingress = serve.get_deployment_handle("Ingress", app_name="zerocopy")
-    ingress_pid = ingress.pid.remote().result(timeout_s=30)
+    width, height = 640 + n, 480
+    pids = {name: serve.get_deployment_handle(name, app_name="zerocopy").pid.remote().result(timeout_s=30)
+            for name in ("Ingress", "Preprocessor")}
     # Pages of the store the ingress process touched before (a reused worker, other requests).
-    touched_before = resident_file_pages(ingress_pid, "/dev/shm/plasma")
+    touched_before = resident_file_pages(pids["Ingress"], "/dev/shm/plasma")
     resp = app.openai().chat.completions.create(
         model="mmserve-builtin",
-        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_uri(width + n, height)}}]}],
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_uri(width, height)}}]}],
         max_tokens=8, n=n,
     )
     assert resp.choices[0].message.content
-    after = app.engine_info()
-    assert after.link_image_requests - before.link_image_requests == (1 if n == 1 else 0)
-    assert after.link_images_over_preprocessing_link - before.link_images_over_preprocessing_link == (1 if n == 1 else 0)
-    rows = family.num_tokens(width + n, height) * 4
+    rows = family.num_tokens(width, height) * 4
 
     engine_client = app.engine_handle()
     traces = engine_client.frame_traces.remote().result(timeout_s=30)
     pixel_frames = [t for t in traces if t.nbytes == rows * 1176]  # merge 2x2: four patches per token
     assert pixel_frames, traces
     trace = pixel_frames[-1]
-    # ZMQ's frame is the array itself, not a copy of it ...
+    # ZMQ's frame is the array itself, not a copy of it, and the array is the object store's
+    # read-only shared memory ...
     assert trace.frame_address == trace.array_address
     assert not trace.array_writeable
-    if n == 1:
-        # ... and the array is the frame the preprocessing link received (never Ray's object store).
-        assert trace.received_zmq_frame and "/dev/shm/plasma" not in trace.mapping, trace
-        return
-    # ... and the array is the object store's read-only shared memory, as written by the preprocessor.
-    assert "/dev/shm/plasma" in trace.mapping and not trace.received_zmq_frame, trace
-
-    # The engine client did read those pages (ZMQ sent them) ...
+    assert "/dev/shm/plasma" in trace.mapping, trace
+    # ... at the pages the preprocessor's process wrote ...
+    assert resident_pages(pids["Preprocessor"], "/dev/shm/plasma", trace.mapping_offset, trace.nbytes)
+    # ... which the engine client read (ZMQ sent them) ...
     engine_pid = engine_client.pid.remote().result(timeout_s=30)
     assert resident_pages(engine_pid, "/dev/shm/plasma", trace.mapping_offset, trace.nbytes)
-    # ... while the ingress, which handed the preprocessing response on, never touched a
-    # single page of them (Ray maps the store file in every worker; pages never faulted in
-    # are absent from the ingress's page tables).
-    assert resident_pages(ingress_pid, "/dev/shm/plasma", trace.mapping_offset, trace.nbytes, touched_before) in (None, 0)
+    # ... while the ingress never touched a single page of them (Ray maps the store file in every
+    # worker; pages never faulted in are absent from the ingress's page tables).
+    assert resident_pages(pids["Ingress"], "/dev/shm/plasma", trace.mapping_offset, trace.nbytes, touched_before) in (None, 0)
 
 
 def _noise_png_uri(side: int) -> str:

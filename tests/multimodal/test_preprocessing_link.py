@@ -1,6 +1,7 @@
 """The preprocessing link without Ray: an engine client's `PreprocessorReplicas` and `PreprocessingInbox`
-against real `PreprocessingServer`s over ZMQ on this host; pixels as frames, jobs answered, cancelled,
-spread, and failed or finished when a replica is lost or leaves."""
+against real `PreprocessingServer`s over ZMQ on this host, pixels through an in-memory store; jobs
+answered, cancelled, spread, and failed or finished when a replica is lost or leaves; every answer's
+pixels let go once the engine client has them, or never needs them."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
-import zmq
 
 from mmserve.multimodal import ImageBatchRequest, ImageField, ImagesRefused, ProcessedImage, ProcessedImages
 from mmserve.multimodal.preprocessing_client import NoReplicaAttached, PreprocessingInbox, PreprocessorReplicas, ReplicaLost
-from mmserve.multimodal.preprocessing_link import AnswerFramesError, decode_answer, encode_answer
+from mmserve.multimodal.preprocessing_link import (
+    STORE_MIN_BYTES, AnswerError, PixelsLost, decode_answer, decode_head, encode_answer,
+)
 from mmserve.multimodal.preprocessing_server import PreprocessingServer
 from mmserve.multimodal.types import PixelMode
 from mmserve.zmq_link import LinkOutbox
@@ -33,44 +35,80 @@ def _images(seed: int) -> ProcessedImages:
     return ProcessedImages([ProcessedImage(fields, 391, f"hash{seed}", 640, 480)], placeholder_token_id=7, family="qwen2_vl")
 
 
-def test_an_answer_is_its_header_and_each_arrays_memory_uncopied_both_ways():
+class MemoryStore:
+    """The pixel store in this process: what was put, by name, while held; what was read."""
+
+    def __init__(self) -> None:
+        self.objects: dict[bytes, list[np.ndarray]] = {}
+        self.puts = 0
+
+    def put(self, arrays: list[np.ndarray]) -> tuple[bytes, object]:
+        self.puts += 1
+        name = str(self.puts).encode()
+        self.objects[name] = list(arrays)
+        return name, _Hold(self, name)
+
+    async def get(self, name: bytes) -> list[np.ndarray]:
+        if name not in self.objects:
+            raise PixelsLost(f"no object {name!r}")
+        return [array.view() for array in self.objects[name]]
+
+
+class _Hold:
+    """The writer's hold: the object goes when nobody keeps this."""
+
+    def __init__(self, store: MemoryStore, name: bytes) -> None:
+        self.store, self.name = store, name
+
+    def __del__(self) -> None:
+        self.store.objects.pop(self.name, None)
+
+
+def test_an_answer_names_its_large_arrays_in_the_store_and_carries_the_small_ones():
+    store = MemoryStore()
     images = _images(1)
-    frames = encode_answer(5, images)
-    assert len(frames) == 3 and frames[1] is images.images[0].fields[0].array  # sent from the array itself
-    received = [zmq.Frame(frame) for frame in frames]  # as the receiving socket hands them over
-    answer = decode_answer(received)
-    assert answer.job == 5
-    got = answer.answer.images[0].fields
+    data, hold = encode_answer(5, images, store.put)
+    [stored] = store.objects.values()
+    assert len(stored) == 1 and stored[0] is images.images[0].fields[0].array  # written from the array itself
+    assert len(data) < STORE_MIN_BYTES  # the pixels are not in the message
+    head = decode_head(data)
+    assert head.job == 5 and head.pixels == hold.name
+    got = decode_answer(data, stored).answer.images[0].fields
     assert all(np.array_equal(a.array, b.array) and a.array.dtype == b.array.dtype for a, b in zip(got, images.images[0].fields))
-    # The received array is a read-only view of its frame, not a copy of it.
-    assert np.shares_memory(got[0].array, np.frombuffer(received[1].buffer, dtype=np.uint8))
-    assert not got[0].array.flags.writeable
+    assert got[0].array is stored[0]  # the store's memory, not a copy of it
+    assert not got[1].array.flags.writeable  # (the grid, read out of the message)
     refused = ImagesRefused("image 1: not an image", 0)
-    assert decode_answer(encode_answer(6, refused)).answer == refused
+    data, hold = encode_answer(6, refused, store.put)
+    assert hold is None and decode_head(data).pixels is None and decode_answer(data).answer == refused
+    small = ProcessedImages([ProcessedImage([ImageField("image_grid_thw", np.ones((1, 3), np.int64), "int64", "batched")], 1, "h", 1, 1)], 7, "f")
+    data, hold = encode_answer(7, small, store.put)
+    assert hold is None and store.puts == 1  # nothing large: nothing stored
+    assert np.array_equal(decode_answer(data).answer.images[0].fields[0].array, np.ones((1, 3), np.int64))
 
 
-@pytest.mark.parametrize("frames", [[], [b"\xc1"], [b"\x81\xa3job\x01"]], ids=["none", "not-msgpack", "neither-answer"])
-def test_frames_that_make_no_answer_are_refused_as_such(frames):
-    with pytest.raises(AnswerFramesError):
-        decode_answer(frames).answer
+@pytest.mark.parametrize("data", [b"", b"\xc1", b"\x81\xa3job\x01"], ids=["empty", "not-msgpack", "neither-answer"])
+def test_messages_that_make_no_answer_are_refused_as_such(data):
+    with pytest.raises(AnswerError):
+        decode_answer(data).answer
 
 
-def test_an_array_naming_a_missing_frame_or_a_size_its_frame_cannot_hold_is_refused():
-    frames = encode_answer(1, _images(2))
-    for bad in ([frames[0]], [frames[0], b"123", frames[2]]):
-        with pytest.raises(AnswerFramesError):
-            decode_answer(bad)
+def test_an_answer_naming_a_missing_stored_array_or_one_of_another_shape_is_refused():
+    store = MemoryStore()
+    data, _ = encode_answer(1, _images(2), store.put)
+    for bad in ([], [np.zeros((3,), np.uint16)]):
+        with pytest.raises(AnswerError):
+            decode_answer(data, bad)
 
 
 class Replica:
     """A preprocessor replica's link end whose work is `work(request)`; records what it started and
     what was cancelled."""
 
-    def __init__(self, work: Callable[[ImageBatchRequest], Awaitable[ProcessedImages | ImagesRefused]]) -> None:
+    def __init__(self, work: Callable[[ImageBatchRequest], Awaitable[ProcessedImages | ImagesRefused]], store: MemoryStore) -> None:
         self.work = work
         self.started: list[str] = []
         self.cancelled: list[str] = []
-        self.server = PreprocessingServer(self._process, HOST)
+        self.server = PreprocessingServer(self._process, HOST, store)
 
     async def _process(self, request: ImageBatchRequest) -> ProcessedImages | ImagesRefused:
         self.started.append(request.urls[0])
@@ -84,10 +122,12 @@ class Replica:
 @contextlib.asynccontextmanager
 async def _linked(*works: Callable[[ImageBatchRequest], Awaitable[ProcessedImages | ImagesRefused]], detached=None,
                   job_check_s: float = 10.0):
-    """Replicas doing `works`, attached as "r1", "r2", ... to an engine client's end; all closed after."""
-    inbox = PreprocessingInbox(HOST)
+    """Replicas doing `works`, attached as "r1", "r2", ... to an engine client's end, one store for
+    all; all closed after."""
+    store = MemoryStore()
+    inbox = PreprocessingInbox(HOST, store)
     replicas = PreprocessorReplicas(inbox, detached=detached or (lambda name: None), job_check_s=job_check_s)
-    servers = [Replica(work) for work in works]
+    servers = [Replica(work, store) for work in works]
     for number, replica in enumerate(servers, 1):
         replica.server.attach(inbox.address)
         replicas.attach(f"r{number}", replica.server.address)
@@ -121,12 +161,15 @@ def test_jobs_are_answered_pixels_intact_and_refusals_as_refused():
         return ImagesRefused("image 1: no", 0) if request.urls[0] == "no" else _images(int(request.urls[0]))
 
     async def scenario():
-        async with _linked(seeded_or_no) as (replicas, [replica], _):
+        async with _linked(seeded_or_no) as (replicas, [replica], inbox):
             answers = await asyncio.gather(*(replicas.process(_request(str(seed))) for seed in range(5)))
             for seed, answer in enumerate(answers):
                 assert np.array_equal(answer.images[0].fields[0].array, _images(seed).images[0].fields[0].array)
             assert await replicas.process(_request("no")) == ImagesRefused("image 1: no", 0)
             assert replica.server.in_flight == 0
+            # Each answer's pixels were let go once the engine client had them (its arrays keep their memory).
+            await _until(lambda: replica.server.pixels_held == 0)
+            assert inbox.store.puts == 5 and not inbox.store.objects
 
     _run(scenario)
 
@@ -247,17 +290,17 @@ def test_a_job_the_replica_does_not_hold_fails_as_lost_and_one_it_holds_waits_on
 
 def test_a_job_the_replica_is_still_delivering_counts_as_held():
     """An answer waiting for its sender's inbox to be connected again (`UNDELIVERED_TRIES`) is not lost yet."""
-    from mmserve.multimodal.preprocessing_link import AskHeldJobs, decode_answer, encode_message
+    from mmserve.multimodal.preprocessing_link import AskHeldJobs, encode_message
 
     async def scenario():
-        inbox = PreprocessingInbox(HOST)
-        server = PreprocessingServer(_forever, HOST)
+        inbox = PreprocessingInbox(HOST, MemoryStore())
+        server = PreprocessingServer(_forever, HOST, MemoryStore())
         server.attach(inbox.address)
         server._delivering.add((inbox.address, 7))
         outbox = LinkOutbox(server.address)
         outbox.send_nowait(encode_message(AskHeldJobs(inbox.address, [7, 8])))
-        frames = await asyncio.wait_for(inbox._inbox.recv_frames(), 5)
-        assert decode_answer(frames).not_held == [8]
+        data = await asyncio.wait_for(inbox._inbox.recv(), 5)
+        assert decode_head(data).not_held == [8]
         outbox.close()
         server.close()
         inbox.close()
@@ -277,3 +320,51 @@ def test_a_job_that_fails_is_answered_as_busy_and_logged_with_its_traceback(capl
     with caplog.at_level("ERROR", logger="ray.serve"):
         _run(scenario)
     assert "job 1 failed" in caplog.text and "a bug" in caplog.text
+
+
+def test_pixels_are_let_go_when_their_job_is_cancelled_as_answered_or_their_sender_leaves():
+    """No answer's pixels outlive its request: an answer that crossed its job's cancellation, and every
+    answer of a sender that detached, are let go at once, without a release from the engine client."""
+    async def scenario():
+        release = asyncio.Event()
+
+        async def held(request: ImageBatchRequest):
+            await release.wait()
+            return _images(int(request.urls[0]))
+
+        async with _linked(held) as (replicas, [replica], inbox):
+            store = inbox.store
+            # The answer leaves as the job is cancelled: the replica gets the cancellation after answering.
+            first = asyncio.ensure_future(replicas.process(_request("1")))
+            await _until(lambda: replica.started == ["1"])
+            replica.server._senders[inbox.address].send_nowait = lambda data: None  # (the answer is "on its way")
+            release.set()
+            await _until(lambda: replica.server.pixels_held == 1)
+            first.cancel()
+            await _until(lambda: replica.server.pixels_held == 0 and not store.objects)
+            # A sender whose answers' pixels are held detaches: they go with it.
+            del replica.server._senders[inbox.address].send_nowait
+            replica.server._held[(inbox.address, 99)] = (store.put([np.zeros(STORE_MIN_BYTES, np.uint8)])[1], 0.0)
+            replica.server.detach(inbox.address)
+            assert replica.server.pixels_held == 0 and not store.objects
+
+    _run(scenario)
+
+
+def test_pixels_never_released_are_let_go_after_the_hold_and_reading_them_then_is_a_loss(caplog):
+    async def scenario():
+        store = MemoryStore()
+        server = PreprocessingServer(_forever, HOST, store, pixel_hold_s=0.2)
+        inbox = PreprocessingInbox(HOST, store)
+        server.attach(inbox.address)
+        server._held[(inbox.address, 1)] = (store.put([np.zeros(STORE_MIN_BYTES, np.uint8)])[1], asyncio.get_running_loop().time())
+        server._sweeper = asyncio.ensure_future(server._sweep())
+        await _until(lambda: server.pixels_held == 0 and not store.objects)
+        with pytest.raises(PixelsLost):
+            await store.get(b"1")
+        server.close()
+        inbox.close()
+
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        _run(scenario)
+    assert "not released within" in caplog.text

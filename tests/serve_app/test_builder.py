@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from deployments.ingress import INGRESS_REPLICA_ENV
+from deployments.pixel_store import OBJECT_REF_ENV
 from serve_app.builder import HA_PROXY_FLAG, build_app
 
 
@@ -38,4 +39,16 @@ def test_the_front_ends_replicas_ask_for_the_resources_the_config_names():
     # The ingress keeps its runtime environment and CPUs whatever the resources.
     assert ingress["runtime_env"] == {"env_vars": INGRESS_REPLICA_ENV} and ingress["num_cpus"] == 0.5
     assert _ingress_and_preprocessor({}) == ({"num_cpus": 0.5, "resources": {}, "runtime_env": {"env_vars": INGRESS_REPLICA_ENV}},
-                                             {"num_cpus": 1.0, "resources": {}})
+                                             {"num_cpus": 1.0, "resources": {}, "runtime_env": {"env_vars": OBJECT_REF_ENV}})
+
+
+@pytest.mark.parametrize("args", [{}, {"engine_pool": {"min_engines": 1, "max_engines": 2}}], ids=["engine-clients", "engine-pool"])
+def test_the_replicas_holding_pixel_references_refuse_to_pickle_them_out_of_band(args):
+    """A reference pickled outside a Ray call would pin its pixels for the preprocessor's life
+    (`deployments/pixel_store.py`): where references are held, Ray is told to raise instead."""
+    ingress = build_app(args)._bound_deployment
+    bound = [arg._bound_deployment for arg in ingress.init_args if hasattr(arg, "_bound_deployment")]
+    bound += [arg._bound_deployment for value in ingress.init_args if isinstance(value, list) for arg in value]
+    names = {deployment.name: deployment.ray_actor_options["runtime_env"] for deployment in bound}
+    assert names.keys() == {"Preprocessor", "EnginePool" if args else "EngineClient0"}
+    assert all(env == {"env_vars": OBJECT_REF_ENV} for env in names.values())
