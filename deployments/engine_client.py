@@ -14,8 +14,7 @@ requests and aborts arrive at this replica's inbox, and their answers and output
 caller's inbox, merged per engine step (`mmserve.zmq_link`): Ray carries nothing from the
 ingress per request and nothing per token. For an image request this replica has the preprocessor
 the request names process its images, over the preprocessing link (`link_images.py`): the pixels
-come back as ZMQ frames and go on to the engine uncopied. (A request sent as a Ray call, `add`,
-brings the preprocessor's response with it, resolved here by Ray from its object store.)
+come through Ray's object store and go on to the engine uncopied.
 """
 
 from __future__ import annotations
@@ -35,12 +34,10 @@ from mmserve.engine import EngineDeadError, EngineNotReadyError
 from mmserve.engine.outputs import CallerChannel
 from mmserve.engine.frame_diagnostics import FrameTrace
 from mmserve.zmq_link import LinkInbox, LinkOutbox
-from mmserve.multimodal import ImagesRefused, ProcessedImages
 from mmserve.protocol import (
-    NOT_THIS_ENGINE, AbortRequests, AddAnswer, AddFailed, Admission, EngineInfo, ImageRequest, OutputBatch,
-    RequestFailed, RequestRefused, TextRequest, decode_link_request, encode, unreadable_request_sender,
+    AbortRequests, AddAnswer, Admission, EngineInfo, ImageRequest, OutputBatch, RequestFailed, RequestRefused, TextRequest,
+    decode_link_request, encode, unreadable_request_sender,
 )
-from mmserve.wire import EngineCoreRequest
 
 from .caller_watch import CallerWatch
 from .engine_client_server import EngineClientServer, EngineClientSettings
@@ -65,22 +62,20 @@ def _node_id() -> str:
 
 @serve.deployment(
     num_replicas=1,
-    # Requests are cheap here (bytes in, tokens out); the engine's own max_num_seqs and the
-    # ingress's admission limits bound the real concurrency.
+    # Its Serve calls are the callers' subscriptions (one per ingress replica) and control calls;
+    # requests arrive over ZMQ, bounded by the engine client's `max_in_flight`.
     max_ongoing_requests=4096,
     ray_actor_options={"num_cpus": 0},
     health_check_period_s=2,
     health_check_timeout_s=10,
-    # Its calls come from the ingress (`subscribe`, and `add` before the link is open),
-    # which the ingress's own access line already records: a line per call here would be written,
-    # shipped to the driver and printed for every request.
+    # Its calls come from the ingress (`subscribe`, `info`): a line per call here would be written,
+    # shipped to the driver and printed for each.
     logging_config={"enable_access_log": False},
 )
 class EngineClientDeployment:
     """Each ingress replica (a caller) holds one long-lived `subscribe` call here, beside which the
     outputs of all its requests travel over ZMQ, merged per engine step (`CallerChannel`), and its
-    requests arrive over ZMQ (`_read_link`); `add` sends one request that came as a Ray call and
-    answers at once (see `mmserve.protocol`)."""
+    requests and aborts arrive over ZMQ (`_read_link`; see `mmserve.protocol`)."""
 
     async def __init__(self, settings: EngineClientSettings) -> None:
         log_package_to_replica()
@@ -95,9 +90,11 @@ class EngineClientDeployment:
         RayletWatch(lambda: self._node_lost_from_thread(loop)).start()
         self._inbox = LinkInbox(node_ip(), name="engine-client-inbox")
         self._link_tasks: set[asyncio.Task[None]] = set()
-        self._link_requests = 0
-        self._link_image_requests = 0
-        self._images = LinkImages(lambda mm_hashes: self.server.client.adds.holds(mm_hashes), node_ip())
+        self._requests_received = 0
+        self._image_requests_received = 0
+        self._images = LinkImages(
+            lambda mm_hashes: self.server.client.adds.holds(mm_hashes), node_ip(), settings.engine_wait_timeout_s
+        )
         self._link_reader = loop.create_task(self._read_link(), name="engine-client-inbox")
 
     def _channel(self, caller: str) -> CallerChannel[AddAnswer]:
@@ -151,7 +148,7 @@ class EngineClientDeployment:
         outbox = LinkOutbox(inbox)
         stream = int.from_bytes(os.urandom(6), "big")
         try:
-            yield encode(OutputBatch(replica=self.replica, requests_address=self._inbox.address, takes_images=True))
+            yield encode(OutputBatch(replica=self.replica, requests_address=self._inbox.address))
             for seq in itertools.count(1):
                 outputs, failures, answers = await channel.take()
                 failed = [RequestFailed(rid, why) for rid, why in failures]
@@ -162,38 +159,27 @@ class EngineClientDeployment:
                 del self._subscribers[caller]
                 await self._drop_caller(caller)
 
-    async def add(
-        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None = None, caller: str = "",
-        engine: str = "",
-    ) -> bytes:
-        """Send one request that came as a Ray call (before the caller's link opened, `_read_link`); its
-        outputs travel on the caller's `subscribe` stream. Answers an encoded `Admission` (with this
-        replica's name, which the caller checks its stream against)."""
-        if not self._mine(engine):
-            return encode(Admission(refused=RequestRefused(NOT_THIS_ENGINE, f"engine {engine} is gone (this is {self.engine_id})")))
-        return encode(await self._add(request, images, caller))
-
-    async def _add(
-        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None, caller: str,
-        to_process: ImageRequest | None = None,
-    ) -> Admission:
-        """With `to_process`, its images are processed first (the request counts as the caller's
-        meanwhile: an abort, or the caller's end, cancels the processing and keeps it from the engine)."""
+    async def _add(self, message: TextRequest | ImageRequest) -> Admission:
+        """Send the request to the engine, an image request's images processed first (the request
+        counts as the caller's meanwhile: an abort, or the caller's end, cancels the processing and
+        keeps it from the engine)."""
+        caller, request = message.caller, message.request
         channel = self._channel(caller)
         request_id = request.request_id
         if not channel.track(request_id):
             return Admission(refused=RequestRefused("cancelled", "the caller aborted the request before it arrived"))
         try:
-            if to_process is not None:
+            images = reprocess = None
+            if isinstance(message, ImageRequest):
                 refused = self.server.overloaded()  # (before the images' work)
                 if refused is None:
-                    images = await self._images.process(to_process)
+                    images = await self._images.process(message)
                     if images is None or self._channels.get(caller) is not channel or request_id not in channel.request_ids:
                         refused = RequestRefused("cancelled", "the caller aborted the request while its images were processed")
                 if refused is not None:
                     channel.untrack(request_id)
                     return Admission(refused=refused)
-            reprocess = self._images.reprocess(to_process) if to_process is not None else None
+                reprocess = self._images.reprocess(message)
             admission = await self.server.add(request, images, channel, reprocess)
         except BaseException:
             channel.untrack(request_id)
@@ -204,17 +190,15 @@ class EngineClientDeployment:
             # The caller went away, or aborted the request, while it was being sent (an abort of a
             # request that finished meanwhile is a no-op).
             await self.server.client.abort_quietly([request_id])
-        return msgspec.structs.replace(admission, replica=self.replica)
+        return admission
 
-    async def abort(self, request_ids: list[str], caller: str = "", engine: str = "") -> None:
+    async def _abort(self, message: AbortRequests) -> None:
         """The caller gave these requests up (its client left, a stop string matched)."""
-        if not self._mine(engine):
-            return  # (its engine is gone, and its requests with it)
-        if (channel := self._channels.get(caller)) is not None:
-            channel.aborted(request_ids)
-        for request_id in request_ids:
-            self._images.cancel(caller, request_id)
-        await self.server.client.abort_quietly(request_ids)
+        if (channel := self._channels.get(message.caller)) is not None:
+            channel.aborted(message.request_ids)
+        for request_id in message.request_ids:
+            self._images.cancel(message.caller, request_id)
+        await self.server.client.abort_quietly(message.request_ids)
 
     async def _read_link(self) -> None:
         """Requests and aborts from the callers, over ZMQ (`mmserve.protocol.LinkRequest`),
@@ -227,34 +211,31 @@ class EngineClientDeployment:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 logger.warning("engine client: an unreadable message on its request link (%d bytes): %s", len(data), exc)
                 if (sender := unreadable_request_sender(data)) is not None and (channel := self._channels.get(sender[0])) is not None:
-                    channel.answer(AddAnswer(sender[1], failed=AddFailed("internal", f"the engine client could not read the request: {exc}")))
+                    refused = RequestRefused("internal", f"the engine client could not read the request: {exc}")
+                    channel.answer(AddAnswer(sender[1], Admission(refused=refused)))
                 continue
             if isinstance(message, AbortRequests):
-                task = asyncio.get_running_loop().create_task(self._abort_from_link(message))
+                task = asyncio.get_running_loop().create_task(self._abort(message))
             else:
-                self._link_requests += 1
-                self._link_image_requests += isinstance(message, ImageRequest)
+                self._requests_received += 1
+                self._image_requests_received += isinstance(message, ImageRequest)
                 task = asyncio.get_running_loop().create_task(self._add_from_link(message))
             self._link_tasks.add(task)
             task.add_done_callback(self._link_tasks.discard)
 
     async def _add_from_link(self, message: TextRequest | ImageRequest) -> None:
         request_id = message.request.request_id
-        to_process = message if isinstance(message, ImageRequest) else None
         try:
-            answer = AddAnswer(request_id, admission=await self._add(message.request, None, message.caller, to_process))
+            admission = await self._add(message)
         except EngineDeadError as exc:
-            answer = AddAnswer(request_id, failed=AddFailed("dead", str(exc)))
+            admission = Admission(refused=RequestRefused("dead", str(exc)))
         except EngineNotReadyError as exc:
-            answer = AddAnswer(request_id, failed=AddFailed("not_ready", str(exc)))
+            admission = Admission(refused=RequestRefused("not_ready", str(exc)))
         except Exception as exc:
-            logger.exception("engine client: request %s from the link failed", request_id)
-            answer = AddAnswer(request_id, failed=AddFailed("internal", f"{type(exc).__name__}: {exc}"))
+            logger.exception("engine client: request %s failed", request_id)
+            admission = Admission(refused=RequestRefused("internal", f"{type(exc).__name__}: {exc}"))
         if (channel := self._channels.get(message.caller)) is not None:
-            channel.answer(answer)
-
-    async def _abort_from_link(self, message: AbortRequests) -> None:
-        await self.abort(message.request_ids, message.caller)
+            channel.answer(AddAnswer(request_id, admission))
 
     async def _drop_caller(self, caller: str) -> None:
         self._callers.unwatch(caller)
@@ -274,9 +255,9 @@ class EngineClientDeployment:
         if not self._mine(engine):
             return None
         return msgspec.structs.replace(
-            await self.server.info(), link_requests=self._link_requests, link_image_requests=self._link_image_requests,
-            link_images_recalled=self._images.recalled,
-            link_images_over_preprocessing_link=self._images.over_preprocessing_link,
+            await self.server.info(), requests_received=self._requests_received,
+            image_requests_received=self._image_requests_received, images_recalled=self._images.recalled,
+            preprocessing_jobs=self._images.jobs,
         )
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -207,8 +207,8 @@ class EngineClientServer:
         self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None, sink: OutputSink,
         reprocess: Reprocess | None = None,
     ) -> Admission:
-        """Send the request to the engine; its outputs go to `sink`. With images (resolved by Ray
-        from the preprocessor's response, zero-copy), expand their placeholders first and
+        """Send the request to the engine; its outputs go to `sink`. With images (mapped from the
+        object store where the preprocessor wrote them), expand their placeholders first and
         announce the final prompt. Client-caused refusals are answers, not exceptions (see
         `RequestRefused`). Images recalled without pixels (`RecentImages`) go by hash only, and
         `reprocess` gets their pixels if the engine turns out not to hold them."""

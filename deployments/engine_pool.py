@@ -24,8 +24,8 @@ from .replica_router import NamedReplicaRouter
 
 class EngineReplicaRouter(NamedReplicaRouter):
     """Delivers a call to the replica its `engine` argument names (`replica_router.py`); a call
-    naming a replica that is gone is refused there as not its own (`WrongEngineError`): the ingress
-    then treats it as a lost replica and routes again."""
+    naming a replica that is gone reaches another, which takes it as not its own (a `subscribe` ends
+    at once, an `info` is None): the ingress then treats that engine as gone."""
 
     ARGUMENT = "engine"
 

@@ -290,7 +290,7 @@ class Ingress:
             if info is not None:
                 self.metrics.engine_in_flight.labels(engine).set(info.num_in_flight)
                 self.metrics.engine_bytes.labels(engine).set(info.bytes_sent)
-                self.metrics.engine_images_recalled.labels(engine).set(info.link_images_recalled)
+                self.metrics.engine_images_recalled.labels(engine).set(info.images_recalled)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def pid(self) -> int:

@@ -1,9 +1,11 @@
-"""The images of requests that reach an engine client over the link (`ImageRequest`).
+"""The images of the requests that reach an engine client (`ImageRequest`).
 
-The engine client gets their pixels itself: it has the preprocessor the request names process
-them (`preprocessor_calls.py`: over the preprocessing link once attached to its replicas), or, when every image is a data URI it saw before and the engine
-still holds, recalls them without pixels (`RecentImages`) and sends the request at once by hash
-only, keeping the way to process them anew should the engine have let them go meanwhile.
+The engine client gets their pixels itself: it has the preprocessor the request names process them
+over the preprocessing link (`preprocessor_calls.py`; the pixels come through the object store), or,
+when every image is a data URI it saw before and the engine still holds, recalls them without pixels
+(`RecentImages`) and sends the request at once by hash only, keeping the way to process them anew
+should the engine have let them go meanwhile. The choices of one `n` > 1 request in flight together
+share one processing (`ImageRequest.group`).
 """
 
 from __future__ import annotations
@@ -16,23 +18,36 @@ from mmserve.multimodal.recent_images import RecentImages
 from mmserve.protocol import ImageRequest
 
 from .engine_client_server import Reprocess
+from .pixel_store import RayPixelStore
 from .preprocessor_calls import PreprocessorCalls
+
+Answer = ProcessedImages | ImagesRefused
+
+
+class _Shared:
+    """One processing and the requests waiting for it: cancelled when the last of them is."""
+
+    def __init__(self, processing: asyncio.Future[Answer]) -> None:
+        self.processing = processing
+        self.waiting = 0
 
 
 class LinkImages:
-    """One engine client's images for link requests; each processing cancellable by its caller and
+    """One engine client's images for its requests; each processing cancellable by its caller and
     request id (an abort, the caller's end). `engine_holds(mm_hashes)`: whether the engine holds
-    those images now; `host`: the address this replica's preprocessing answers arrive at."""
+    those images now; `host`: the address this replica's preprocessing answers arrive at;
+    `attach_timeout_s`: how long a request waits for a preprocessor replica to attach."""
 
-    def __init__(self, engine_holds: Callable[[Iterable[str]], bool], host: str) -> None:
+    def __init__(self, engine_holds: Callable[[Iterable[str]], bool], host: str, attach_timeout_s: float) -> None:
         self._engine_holds = engine_holds
-        self._preprocessors = PreprocessorCalls(host)
+        self._preprocessors = PreprocessorCalls(host, RayPixelStore(), attach_timeout_s)
         self._recent = RecentImages()
-        self._processing: dict[tuple[str, str], asyncio.Future[ProcessedImages | ImagesRefused]] = {}
-        # Requests whose images were recalled, not processed (`EngineInfo.link_images_recalled`).
+        self._processing: dict[tuple[str, str], asyncio.Future[Answer | None]] = {}
+        self._groups: dict[tuple[str, str], _Shared] = {}
+        # Requests whose images were recalled, not processed (`EngineInfo.images_recalled`).
         self.recalled = 0
 
-    async def process(self, message: ImageRequest) -> ProcessedImages | ImagesRefused | None:
+    async def process(self, message: ImageRequest) -> Answer | None:
         """The request's images (recalled without pixels if the engine holds them all); None if an
         abort, or the caller's end, cancelled their processing."""
         keys = RecentImages.keys(message.preprocessor, message.images)
@@ -41,31 +56,47 @@ class LinkImages:
                 self.recalled += 1
                 return recalled
         key = (message.caller, message.request.request_id)
-        processing = asyncio.ensure_future(self._preprocessors.process(message.images, message.preprocessor))
-        self._processing[key] = processing
+        waiting = self._processing[key] = asyncio.ensure_future(self._shared(message))
         try:
-            await asyncio.wait({processing})
+            await asyncio.wait({waiting})
         finally:
-            processing.cancel()  # (this call was cancelled: the processing goes with it)
+            waiting.cancel()  # (this call was cancelled: the waiting goes with it)
             self._processing.pop(key, None)
-        if processing.cancelled():
+        if waiting.cancelled():
             return None
-        images = processing.result()
+        images = waiting.result()
         if keys is not None and isinstance(images, ProcessedImages):
             self._recent.remember(keys, images)
         return images
+
+    async def _shared(self, message: ImageRequest) -> Answer:
+        """The images processed for this request, or for the request of its group in flight."""
+        group = (message.caller, message.group) if message.group else None
+        shared = self._groups.get(group) if group is not None else None
+        if shared is None:
+            shared = _Shared(asyncio.ensure_future(self._preprocessors.process(message.images, message.preprocessor)))
+            if group is not None:
+                self._groups[group] = shared
+                shared.processing.add_done_callback(lambda _: self._groups.pop(group, None) if self._groups.get(group) is shared else None)
+        shared.waiting += 1
+        try:
+            return await asyncio.shield(shared.processing)
+        finally:
+            shared.waiting -= 1
+            if shared.waiting == 0:
+                shared.processing.cancel()  # (done already, unless every request waiting was cancelled)
 
     def reprocess(self, message: ImageRequest) -> Reprocess:
         """The request's images processed anew, for a request sent with recalled images."""
         return lambda: self._preprocessors.process(message.images, message.preprocessor)
 
+    @property
+    def jobs(self) -> int:
+        return self._preprocessors.jobs
+
     def cancel(self, caller: str, request_id: str) -> None:
         if (processing := self._processing.get((caller, request_id))) is not None:
             processing.cancel()
-
-    @property
-    def over_preprocessing_link(self) -> int:
-        return self._preprocessors.over_link
 
     def close(self) -> None:
         self._preprocessors.close()

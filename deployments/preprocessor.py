@@ -1,13 +1,10 @@
 """Preprocessor deployment: the CPU-heavy image tier, autoscaled on its own, with its options beside it.
 
-Its work comes two ways. Engine clients send their link requests' images over the preprocessing
-link (`mmserve.multimodal.preprocessing_server`): each attaches with one long-lived Serve call
-(`subscribe`), then sends jobs to this replica's inbox, and the pixels come back as ZMQ frames,
-no Ray call per image request. A request the ingress sends as Ray calls (`n` > 1, or before its
-link to the engine client is open) calls `process` through Serve: the answer (`ProcessedImages`,
-numpy arrays inside) is written once to the Ray object store and read zero-copy by the engine
-client that was handed the ingress's response unawaited (`preprocessor_calls.py`). Both ways go
-through the replica's own admission (`replica_admission.py`).
+Its work comes from the engine clients, over the preprocessing link
+(`mmserve.multimodal.preprocessing_server`): each attaches with one long-lived Serve call
+(`subscribe`), then sends jobs to this replica's inbox; each answer's pixels are written once into
+Ray's object store (`pixel_store.py`), where the engine client maps them. No Ray call per image
+request. The replica admits, queues and refuses its jobs itself (`replica_admission.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
@@ -33,7 +29,6 @@ from mmserve.multimodal.replica_admission import ReplicaAdmission
 from mmserve.vision import resize_path, warm_up_resize
 
 from .caller_watch import HeldCalls
-from .inline_args import join_payloads
 from .pixel_store import OBJECT_REF_ENV, RayPixelStore
 from .preprocessor_autoscaling import PREPROCESSOR_REQUESTS_METRIC, preprocessor_load_policy
 from .ray_node import node_ip, replica_ids
@@ -74,21 +69,18 @@ class PreprocessorScaling:
     upscale_delay_s: float
     downscale_delay_s: float
     look_back_period_s: float
-    max_ongoing_requests: int
-    # Requests waiting for a preprocessor replica; beyond: 503 with Retry-After.
-    max_queued_requests: int
     # Extra Ray resources per replica (where it may run).
     resources: dict[str, float]
 
     def options(self) -> dict[str, Any]:
         """`PreprocessorDeployment.options(...)` for this scaling. The replica admits its image
         requests itself (`PreprocessorSettings.max_ongoing_requests`); Serve's own limit only has to
-        leave room for them and for the engine clients' attachments."""
+        leave room for the engine clients' attachments."""
         return {
             "ray_actor_options": {
                 "num_cpus": self.num_cpus, "resources": dict(self.resources), "runtime_env": {"env_vars": dict(OBJECT_REF_ENV)},
             },
-            "max_ongoing_requests": self.max_ongoing_requests + self.max_queued_requests + ATTACHMENTS_PER_REPLICA,
+            "max_ongoing_requests": ATTACHMENTS_PER_REPLICA,
             "autoscaling_config": AutoscalingConfig(
                 min_replicas=self.min_replicas,
                 max_replicas=self.max_replicas,
@@ -131,15 +123,6 @@ class PreprocessorDeployment:
             "preprocessor for %s images (pixel mode %s; image resize path: %s; %d pixel thread(s))",
             self.preprocessor.family.name, settings.pixel_mode, resize_path(), settings.pixel_threads,
         )
-
-    async def process(
-        self, request: ImageBatchRequest, piece_counts: list[int] | None = None, *pieces: str
-    ) -> ProcessedImages | ImagesRefused:
-        """A request's images as a Serve call. With `piece_counts`, the request's payloads came cut
-        into `pieces` (`inline_args.py`)."""
-        if piece_counts is not None:
-            request = msgspec.structs.replace(request, urls=join_payloads(piece_counts, pieces))
-        return await self._answer(request)
 
     async def subscribe(self, reply_to: str, replica: str | None = None, caller: str = "") -> AsyncIterator[PreprocessorHello]:
         """An engine client attaches for as long as this call lasts: it learns this replica's inbox

@@ -1,12 +1,10 @@
-"""Calls to the preprocessor deployment: from the ingress (a response it hands on unawaited) and from an engine client (which awaits the pixels itself).
+"""An engine client's calls to the preprocessor deployments its callers name, over the preprocessing link.
 
-An engine client sends its link requests' images over the preprocessing link (`PreprocessorLinks`,
-`mmserve.multimodal.preprocessing_client`): no Ray call per image request, the pixels back as ZMQ
-frames. A Serve call remains for the rest: the ingress's requests sent as Ray calls, and an engine
-client's requests before it is attached to any replica. It goes by reference, so the answer
-(`ProcessedImages`, numpy arrays inside) is written once to the Ray object store and read zero-copy
-where it is resolved, the engine client; data URIs travel inside the call, cut into pieces
-(`inline_args.py`).
+`PreprocessorLinks` attaches the engine client to each replica of one deployment (a Serve call held
+open there: the replica's inbox, and its end says the replica is gone), as Serve's replica list
+changes; `PreprocessorCalls` sends each request's images to an attached replica as one ZMQ message
+and reads the answer, its pixels mapped from the object store
+(`mmserve.multimodal.preprocessing_client`). No Ray call per image request.
 """
 
 from __future__ import annotations
@@ -16,45 +14,22 @@ import contextvars
 import logging
 from collections.abc import Callable
 
-import msgspec
 from ray import serve
-from ray.exceptions import RayError
-from ray.serve.exceptions import BackPressureError, RayServeException
-from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.serve.handle import DeploymentHandle
 
 from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages
 from mmserve.multimodal.preprocessing_client import NoReplicaAttached, PreprocessingInbox, PreprocessorReplicas, ReplicaLost
-from mmserve.multimodal.replica_admission import QUEUE_FULL_MESSAGE
+from mmserve.multimodal.preprocessing_link import PixelStore
 from mmserve.protocol import PreprocessorName
 
 from .engine_pool_members import pool_members, watch_members
-from .inline_args import cut_payloads
-from .pixel_store import RayPixelStore
 from .ray_errors import describe, innermost_cause
 from .ray_node import replica_ids
 
 logger = logging.getLogger("ray.serve")
 
-# Tries per request when the preprocessor replica doing it dies (preprocessing has no side effects).
+# Tries per request when the preprocessor replica doing it is lost (preprocessing has no side effects).
 PREPROCESSING_TRIES = 2
-
-
-class HandlePreprocessing:
-    """The preprocessor through its deployment's handle (`mmserve.openai.pending_images.Preprocessing`)."""
-
-    def __init__(self, handle: DeploymentHandle, version: str = "") -> None:
-        # By reference, whatever Ray's defaults (RAY_SERVE_THROUGHPUT_OPTIMIZED makes calls by value).
-        self.handle = handle.options(_by_reference=True)
-        self.name = PreprocessorName(handle.app_name, handle.deployment_name, version)
-
-    def process(self, request: ImageBatchRequest) -> DeploymentResponse:
-        """Unawaited: resolved where the pixels are needed (by Ray, when the response is an argument
-        of the engine client's `add`; by `PreprocessorCalls`)."""
-        cut = cut_payloads(request.urls)
-        if cut is None:
-            return self.handle.process.remote(request)
-        counts, pieces = cut
-        return self.handle.process.remote(msgspec.structs.replace(request, urls=[]), counts, *pieces)
 
 
 class PreprocessorLinks:
@@ -132,37 +107,43 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) ->
 class PreprocessorCalls:
     """An engine client's calls to the preprocessors its callers name (`ImageRequest.preprocessor`):
     the processed images, or why there are none, as the preprocessor itself answers a refusal
-    (`ImagesRefused`). Over the preprocessing link (`PreprocessorLinks`) when `host` is given and
-    a replica is attached, else as a Serve call; a replica that dies under the call is tried again
-    once, a full queue or a second loss is "busy" (the client retries shortly)."""
+    (`ImagesRefused`). A request waits up to `attach_timeout_s` for a replica to be attached; a
+    replica lost under it is tried again once; a second loss, or no replica attached in time, is
+    "busy" (the client retries shortly). Answers arrive at one inbox bound on `host`, their pixels
+    read from `store`."""
 
-    def __init__(self, host: str | None = None) -> None:
+    def __init__(self, host: str, store: PixelStore, attach_timeout_s: float) -> None:
         self._host = host
+        self._store = store
+        self._attach_timeout_s = attach_timeout_s
         self._inbox: PreprocessingInbox | None = None
         # By application and deployment: a new version of its settings is served by the same replicas' successors.
         self._links: dict[tuple[str, str], PreprocessorLinks] = {}
-        self._handles: dict[PreprocessorName, HandlePreprocessing] = {}
-        # One Serve handle per deployment, both ways derived from it: one router between them.
-        self._deployment_handles: dict[tuple[str, str], DeploymentHandle] = {}
-        # Requests answered over the preprocessing link (`EngineInfo.link_images_over_preprocessing_link`).
-        self.over_link = 0
+        # Jobs sent (`EngineInfo.preprocessing_jobs`).
+        self.jobs = 0
 
     async def process(self, request: ImageBatchRequest, name: PreprocessorName) -> ProcessedImages | ImagesRefused:
-        links = self._links_of(name)
-        for attempt in range(1, PREPROCESSING_TRIES + 1):
-            if links is None:
-                break
+        replicas = self._links_of(name).replicas
+        attempt = 0
+        while True:
             try:
-                answer = await links.replicas.process(request)
-                self.over_link += 1
-                return answer
+                await asyncio.wait_for(replicas.attached(), self._attach_timeout_s)
+            except TimeoutError:
+                return ImagesRefused(
+                    f"no image preprocessor replica could be reached within {self._attach_timeout_s:.0f} s; retry shortly",
+                    kind="busy", retry_after_s=1,
+                )
+            try:
+                self.jobs += 1
+                return await replicas.process(request)
             except NoReplicaAttached:
-                break
+                self.jobs -= 1
+                continue  # (the last one left as this request came: wait for the next)
             except ReplicaLost as exc:
+                attempt += 1
                 if attempt == PREPROCESSING_TRIES:
                     return ImagesRefused(f"image preprocessing failed: {exc}; retry shortly", kind="busy", retry_after_s=1)
                 logger.warning("image preprocessing failed (%s): trying once more", exc)
-        return await self._call(request, name)
 
     def close(self) -> None:
         for links in self._links.values():
@@ -170,46 +151,11 @@ class PreprocessorCalls:
         if self._inbox is not None:
             self._inbox.close()
 
-    def _links_of(self, name: PreprocessorName) -> PreprocessorLinks | None:
-        if self._host is None:
-            return None
+    def _links_of(self, name: PreprocessorName) -> PreprocessorLinks:
         links = self._links.get((name.app, name.deployment))
         if links is None:
             if self._inbox is None:
-                self._inbox = PreprocessingInbox(self._host, RayPixelStore())
-            links = self._links[(name.app, name.deployment)] = PreprocessorLinks(name, self._inbox, self._deployment_handle(name))
+                self._inbox = PreprocessingInbox(self._host, self._store)
+            handle = serve.get_deployment_handle(name.deployment, app_name=name.app)
+            links = self._links[(name.app, name.deployment)] = PreprocessorLinks(name, self._inbox, handle)
         return links
-
-    def _handle(self, name: PreprocessorName) -> HandlePreprocessing:
-        handle = self._handles.get(name)
-        if handle is None:
-            handle = self._handles[name] = HandlePreprocessing(self._deployment_handle(name), name.version)
-        return handle
-
-    def _deployment_handle(self, name: PreprocessorName) -> DeploymentHandle:
-        key = (name.app, name.deployment)
-        if key not in self._deployment_handles:
-            self._deployment_handles[key] = serve.get_deployment_handle(name.deployment, app_name=name.app)
-        return self._deployment_handles[key]
-
-    async def _call(self, request: ImageBatchRequest, name: PreprocessorName) -> ProcessedImages | ImagesRefused:
-        """As a Serve call (no replica attached yet)."""
-        handle = self._handle(name)
-        for attempt in range(1, PREPROCESSING_TRIES + 1):
-            response = handle.process(request)
-            try:
-                return await response
-            except asyncio.CancelledError:
-                response.cancel()  # (awaiting a Serve response stops waiting; this stops the call)
-                raise
-            except Exception as exc:
-                inner = innermost_cause(exc)
-                if isinstance(inner, BackPressureError):
-                    return ImagesRefused(QUEUE_FULL_MESSAGE, kind="busy", retry_after_s=1)
-                if not isinstance(inner, (RayError, RayServeException)):
-                    raise inner from None  # the preprocessor's own bug, not a lost replica
-                why = describe(inner)
-                if attempt == PREPROCESSING_TRIES:
-                    return ImagesRefused(f"image preprocessing failed: {why}; retry shortly", kind="busy", retry_after_s=1)
-                logger.warning("image preprocessing failed (%s): trying once more", why)
-        raise AssertionError("unreachable")

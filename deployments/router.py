@@ -1,4 +1,4 @@
-"""The engine router's Ray side: where the engines come from (engine-client deployments, an engine pool, engine applications) and the preprocessor, reached through Serve handles.
+"""The engine router's Ray side: where the engines come from (engine-client deployments, an engine pool, engine applications), reached through Serve handles, and the preprocessor's name.
 
 The routing itself (engine choice, retries, limits) is the plain `mmserve.openai.engine_router.
 EngineRouter`; this module gives it its `EngineSource`s and `Preprocessing`; one engine client as an
@@ -17,10 +17,10 @@ from ray.serve.handle import DeploymentHandle
 
 from mmserve.openai.engine_router import EngineConnection, EngineRouter, EngineSource, StaticEngines
 from mmserve.openai.settings import RoutingSettings
+from mmserve.protocol import PreprocessorName
 
 from .engine_connection import HandleEngineConnection
 from .engine_pool_members import pool_members
-from .preprocessor_calls import HandlePreprocessing
 from .ray_node import replica_ids
 
 logger = logging.getLogger("ray.serve")
@@ -44,14 +44,16 @@ def engine_router(
     pool (one engine per replica, as many as Serve scales it to), the engine applications named
     `engine_applications`* (added and removed while serving), and the preprocessor."""
     caller = replica_ids()[0] or None
-    sources: list[EngineSource] = [StaticEngines([HandleEngineConnection(handle, caller) for handle in engines])]
+    sources: list[EngineSource] = [StaticEngines([HandleEngineConnection(handle, caller, wait_timeout_s) for handle in engines])]
     if engine_pool is not None:
-        sources.append(EnginePoolMembers(engine_pool, caller))
+        sources.append(EnginePoolMembers(engine_pool, caller, wait_timeout_s))
     if engine_applications is not None:
-        sources.append(EngineApplications(engine_applications, caller))
+        sources.append(EngineApplications(engine_applications, caller, wait_timeout_s))
     return EngineRouter(
         sources,
-        preprocessor=HandlePreprocessing(preprocessor, preprocessor_version) if preprocessor is not None else None,
+        preprocessor=(
+            PreprocessorName(preprocessor.app_name, preprocessor.deployment_name, preprocessor_version) if preprocessor is not None else None
+        ),
         wait_timeout_s=wait_timeout_s,
         routing=routing,
     )
@@ -62,10 +64,11 @@ class EnginePoolMembers:
     process last heard from Serve's controller (`deployments/engine_pool.py`). A replica that
     leaves (scaled down, replaced) is dropped here; the `EngineRouter` drains it."""
 
-    def __init__(self, handle: DeploymentHandle, caller: str | None) -> None:
+    def __init__(self, handle: DeploymentHandle, caller: str | None, link_timeout_s: float) -> None:
         # Options make the handle start its router now, which then hears of the replicas.
-        self.handle = handle.options(_by_reference=True)
+        self.handle = handle.options()
         self.caller = caller
+        self.link_timeout_s = link_timeout_s
         self._members: tuple[str, ...] | None = None
         self._connections: dict[str, HandleEngineConnection] = {}
 
@@ -75,7 +78,7 @@ class EnginePoolMembers:
             self._members = members
             listed = set(members or ())
             for engine in listed - self._connections.keys():
-                self._connections[engine] = HandleEngineConnection(self.handle, self.caller, engine=engine)
+                self._connections[engine] = HandleEngineConnection(self.handle, self.caller, self.link_timeout_s, engine=engine)
             for engine in self._connections.keys() - listed:
                 del self._connections[engine]
         return self._connections
@@ -88,9 +91,10 @@ class EngineApplications:
     the applications every `refresh_s` in the background; one being deleted (or gone) is no longer
     listed, so the `EngineRouter` drains it, and its replica stops once those streams are done."""
 
-    def __init__(self, prefix: str, caller: str | None, refresh_s: float = ENGINE_APPLICATIONS_REFRESH_S) -> None:
+    def __init__(self, prefix: str, caller: str | None, link_timeout_s: float, refresh_s: float = ENGINE_APPLICATIONS_REFRESH_S) -> None:
         self.prefix = prefix
         self.caller = caller
+        self.link_timeout_s = link_timeout_s
         self.refresh_s = refresh_s
         self._names: set[str] = set()
         self._connections: dict[str, HandleEngineConnection] = {}
@@ -104,7 +108,7 @@ class EngineApplications:
         for name in self._names - self._connections.keys():
             handle = serve.get_deployment_handle(ENGINE_APPLICATION_DEPLOYMENT, app_name=name)
             self._gone[name] = asyncio.Event()
-            self._connections[name] = HandleEngineConnection(handle, self.caller, gone=self._gone[name])
+            self._connections[name] = HandleEngineConnection(handle, self.caller, self.link_timeout_s, gone=self._gone[name])
         return self._connections
 
     async def _poll(self) -> None:

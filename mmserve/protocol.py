@@ -1,16 +1,15 @@
 """The gateway's own inter-tier protocol: what an ingress replica and an engine client send each other.
 
 Not vLLM's wire (that is `mmserve/wire`, which mirrors vLLM only). Each ingress replica subscribes
-once to each engine client (one long-lived Ray call); beside it, over ZMQ
-(`mmserve.zmq_link`), the replica sends its requests and aborts (`LinkRequest`) to the
-engine client's inbox, and the engine client sends back `OutputBatch`es: the answers to those
-requests and the outputs of all the replica's requests since the previous batch, merged while the
-ingress lags. An image request names the preprocessor, which the engine client calls itself, so
-the pixels come to it by reference (the Ray object store), never through the ingress or the link.
-So Ray carries no call from the ingress per request, and nothing per token. Until the link is open,
-with engine clients of older versions, and for the image requests `mmserve.openai.pending_images`
-keeps off the link (`n` > 1, data URIs over 1 MiB), a request is one Ray call (`add`), answered by
-its `Admission`. Everything is msgpack-encoded.
+once to each engine client (one long-lived Ray call, the control channel: its first item names the
+engine client's inbox, its end says the engine client is gone); everything else travels over ZMQ
+(`mmserve.zmq_link`): the replica sends its requests and aborts (`LinkRequest`) to the engine
+client's inbox, and the engine client sends back `OutputBatch`es: the answers to those requests and
+the outputs of all the replica's requests since the previous batch, merged while the ingress lags.
+An image request names its images (URLs, data URIs included) and the preprocessor, which the engine
+client has process them itself, so the pixels come to it through the object store, never through
+the ingress or the link. So Ray carries no call per request, and nothing per token. Everything is
+msgpack-encoded.
 """
 
 from __future__ import annotations
@@ -33,12 +32,13 @@ class PromptAccepted(msgspec.Struct, frozen=True):
 
 
 class RequestRefused(msgspec.Struct, frozen=True):
-    """The request was refused for the client's reasons: a bad image ("image"), images needing
-    more pixels decoded at once than a preprocessor replica holds ("image_too_large"), a prompt the
-    engine guard refuses ("invalid"), the engine full ("overloaded"), a preprocessor replica busy
-    with other images ("busy", retry after `retry_after_s`). Returned in the `Admission` instead of
-    raised: Serve logs every exception a replica method raises as an ERROR with a traceback, which
-    a client must not be able to cause at will."""
+    """Why the engine client did not send a request to its engine. For the client's reasons: a bad
+    image ("image"), images needing more pixels decoded at once than a preprocessor replica holds
+    ("image_too_large"), a prompt the engine guard refuses ("invalid"), the engine full
+    ("overloaded"), a preprocessor replica busy with other images ("busy", retry after
+    `retry_after_s`), the caller's own abort ("cancelled"). For the engine's: it died ("dead"), it is
+    not ready ("not_ready"), or the engine client failed ("internal", logged there). An answer, not a
+    raise: the engine client logs nothing for the client's mistakes."""
 
     kind: str
     message: str
@@ -46,19 +46,12 @@ class RequestRefused(msgspec.Struct, frozen=True):
     retry_after_s: int | None = None
 
 
-# `RequestRefused.kind` of a call meant for another engine-pool replica (one that was stopped since
-# the caller chose it): the caller routes the request again; never shown to a client.
-NOT_THIS_ENGINE = "not_this_engine"
-
-
 class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The answer to `add`: the request is with the engine (`accepted` for image requests, whose
-    prompt grew), or it was refused (and nothing reached the engine)."""
+    """A request's admission: it is with the engine (`accepted` for image requests, whose prompt
+    grew), or it was refused (and nothing reached the engine)."""
 
     accepted: PromptAccepted | None = None
     refused: RequestRefused | None = None
-    # The engine-client replica that took the request (its outputs come on its stream only).
-    replica: str | None = None
 
 
 class RequestFailed(msgspec.Struct, frozen=True):
@@ -68,47 +61,33 @@ class RequestFailed(msgspec.Struct, frozen=True):
     message: str
 
 
-class AddFailed(msgspec.Struct, frozen=True):
-    """A request over the link that the engine client could not take for its engine's reasons,
-    which `add` over Ray would have raised: `kind` "dead" (`EngineDeadError`), "not_ready"
-    (`EngineNotReadyError`), or "internal" (anything else, logged there)."""
-
-    kind: str
-    message: str
-
-
-class AddAnswer(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The engine client's answer to a `TextRequest` or `ImageRequest`: its `Admission`, or why it has none."""
+class AddAnswer(msgspec.Struct, frozen=True):
+    """The engine client's answer to a `TextRequest` or `ImageRequest`: its `Admission`."""
 
     request_id: str
-    admission: Admission | None = None
-    failed: AddFailed | None = None
+    admission: Admission
 
 
 class OutputBatch(msgspec.Struct, frozen=True, omit_defaults=True):
     """One message of an ingress replica's output stream from one engine client: its requests'
-    outputs in arrival order, its requests that failed, and the answers to its link requests. The
+    outputs in arrival order, its requests that failed, and the answers to its requests. The
     `subscribe` call's one item is empty except for `replica`, which names the engine-client replica
-    sending the stream, `requests_address`, that replica's inbox for `LinkRequest`s, and
-    `takes_images`, whether that inbox takes `ImageRequest`s (engine clients of older versions
-    take text requests only)."""
+    sending the stream, and `requests_address`, that replica's inbox for `LinkRequest`s."""
 
     outputs: list[EngineCoreOutput] = []
     failures: list[RequestFailed] = []
     answers: list[AddAnswer] = []
     replica: str | None = None
     requests_address: str | None = None
-    takes_images: bool = False
     # Which `subscribe` call's stream this batch is of (a random number per call), and its number
-    # there, from 1 (0: the call's first item, or an engine client of an older version). A number
-    # skipped is a batch lost: a broken connection, which ZMQ remakes, loses what was on its way.
+    # there, from 1 (0: the call's first item). A number skipped is a batch lost: a broken
+    # connection, which ZMQ remakes, loses what was on its way.
     stream: int = 0
     seq: int = 0
 
 
 class TextRequest(msgspec.Struct, frozen=True, tag="add"):
-    """`add` over the link, for a request without images: answered by an `AddAnswer` in the
-    caller's output batches."""
+    """A request without images: answered by an `AddAnswer` in the caller's output batches."""
 
     caller: str
     request: EngineCoreRequest
@@ -124,14 +103,16 @@ class PreprocessorName(msgspec.Struct, frozen=True):
 
 
 class ImageRequest(msgspec.Struct, frozen=True, tag="add_images"):
-    """`add` over the link, for a request with images: the engine client has `preprocessor`
-    process `images` (the URLs, data URIs included: never pixels) and sends the request with the
-    result; answered by an `AddAnswer` in the caller's output batches."""
+    """A request with images: the engine client has `preprocessor` process `images` (the URLs,
+    data URIs included: never pixels) and sends the request with the result; answered by an
+    `AddAnswer` in the caller's output batches. The `n` > 1 choices of one request name the same
+    `group`: their images, processed once for those of them in flight together, are shared."""
 
     caller: str
     request: EngineCoreRequest
     images: ImageBatchRequest
     preprocessor: PreprocessorName
+    group: str = ""
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
@@ -188,25 +169,22 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # Images sent by hash only (the engine held them); requests resent after an engine cache miss.
     mm_items_skipped: int = 0
     mm_cache_miss_resends: int = 0
-    # Requests that arrived over the link (`TextRequest`, `ImageRequest`), not as a Ray call, since
-    # this replica started; of them, with images.
-    link_requests: int = 0
-    link_image_requests: int = 0
+    # Requests received (`TextRequest`, `ImageRequest`) since this replica started; of them, with images.
+    requests_received: int = 0
+    image_requests_received: int = 0
     # Of those, requests whose images were recalled, not processed: the engine held them all
     # (`mmserve/multimodal/recent_images.py`).
-    link_images_recalled: int = 0
-    # Of those processed, how many went over the preprocessing link (the rest: as Serve calls, before
-    # the engine client was attached to a preprocessor replica).
-    link_images_over_preprocessing_link: int = 0
+    images_recalled: int = 0
+    # Jobs sent to the preprocessor replicas (the `n` > 1 choices of one request in flight together share one).
+    preprocessing_jobs: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
-_admission_decoder = msgspec.msgpack.Decoder(Admission)
 _batch_decoder = msgspec.msgpack.Decoder(OutputBatch)
 _link_request_decoder: msgspec.msgpack.Decoder[LinkRequest] = msgspec.msgpack.Decoder(LinkRequest)  # type: ignore[arg-type]
 
 
-def encode(message: Admission | OutputBatch | LinkRequest) -> bytes:
+def encode(message: OutputBatch | LinkRequest) -> bytes:
     return _encoder.encode(message)
 
 
@@ -229,10 +207,6 @@ def unreadable_request_sender(data: bytes) -> tuple[str, str] | None:
     if isinstance(caller, str) and isinstance(request_id, str):
         return caller, request_id
     return None
-
-
-def decode_admission(data: bytes) -> Admission:
-    return _admission_decoder.decode(data)
 
 
 def decode_output_batch(data: bytes) -> OutputBatch:

@@ -40,7 +40,7 @@ class ReplicaLost(Exception):
 
 
 class NoReplicaAttached(Exception):
-    """No replica of the deployment is attached yet (or none is left): use the Serve call."""
+    """No replica of the deployment is attached (none yet, or none is left): wait for one (`attached`)."""
 
 
 # An answer as it arrived, and what was read of it before its pixels.
@@ -115,18 +115,26 @@ class PreprocessorReplicas:
         self._replicas: dict[str, AttachedReplica] = {}
         self._job_check_s = job_check_s
         self._checker: asyncio.Task[None] | None = None
+        # Set while a replica takes new jobs.
+        self._open = asyncio.Event()
 
     def __contains__(self, replica: str) -> bool:
         return replica in self._replicas
 
+    async def attached(self) -> None:
+        """Return once a replica takes new jobs (at once if one does)."""
+        await self._open.wait()
+
     def attach(self, replica: str, address: str) -> None:
         if replica not in self._replicas:
             self._replicas[replica] = AttachedReplica(address)
+            self._opened()
 
     def leave(self, replica: str) -> None:
         """No new jobs for `replica`; detached once its jobs have answered."""
         if (attached := self._replicas.get(replica)) is not None:
             attached.leaving = True
+            self._opened()
             self._detach_if_done(replica, attached)
 
     def lost(self, replica: str) -> None:
@@ -134,11 +142,18 @@ class PreprocessorReplicas:
         attached = self._replicas.pop(replica, None)
         if attached is None:
             return
+        self._opened()
         for job, answer in attached.jobs.items():
             self._inbox.forget(job)
             if not answer.done():
                 answer.set_exception(ReplicaLost(f"preprocessor replica {replica} was lost"))
         attached.outbox.close()
+
+    def _opened(self) -> None:
+        if any(not attached.leaving for attached in self._replicas.values()):
+            self._open.set()
+        else:
+            self._open.clear()
 
     async def process(self, request: ImageBatchRequest) -> ProcessedImages | ImagesRefused:
         """The request's images, from the attached replica with the fewest of these jobs."""
@@ -201,5 +216,6 @@ class PreprocessorReplicas:
     def _detach_if_done(self, replica: str, attached: AttachedReplica) -> None:
         if attached.leaving and not attached.jobs and self._replicas.get(replica) is attached:
             del self._replicas[replica]
+            self._opened()
             attached.outbox.close()
             self._detached(replica)

@@ -4,7 +4,7 @@ An ingress replica receives the outputs of all its requests on one engine client
 `OutputBatch`es (`mmserve.protocol`). `OutputDemux` hands each output to its request's
 `RequestOutputs`, which merges while its consumer lags (vLLM's `RequestOutputCollector`): a slow
 consumer takes everything that arrived at once, never one queue item per token. The answers to
-text requests sent over the link come in the same batches, and go to their requests the same way.
+requests come in the same batches, and go to their requests the same way.
 A batch lost on the way (numbered batches, one number skipped: a broken connection that ZMQ remade)
 fails every request in flight there: which of them missed outputs nobody can tell.
 """
@@ -34,7 +34,7 @@ class RequestOutputs:
         self.error: BaseException | None = None
         # The engine-client replica holding the request (set once it admitted it).
         self.replica: str | None = None
-        # Sent over the link: its answer comes in a batch (`answered`), or the stream ends first.
+        # Sent: its answer comes in a batch (`answered`), or the stream ends first.
         self.awaiting_answer = False
         self.answer: AddAnswer | None = None
         self._ready = asyncio.Event()
@@ -44,8 +44,8 @@ class RequestOutputs:
         self._ready.set()
 
     async def next_answer(self) -> AddAnswer:
-        """The engine client's answer to this request sent over the link (waits for it); raises
-        the error that ended the stream first."""
+        """The engine client's answer to this request (waits for it); raises the error that ended
+        the stream first."""
         while self.answer is None and self.error is None:
             self._ready.clear()
             await self._ready.wait()
@@ -137,8 +137,7 @@ class OutputDemux:
                 outputs.fail(ReplicaLostError("the engine client serving this request was replaced"))
 
     def lost(self, error: BaseException) -> None:
-        """The stream ended: every admitted request fails, and every request sent over the link
-        whose answer had not come (a pending `add` over Ray learns its fate itself)."""
+        """The stream ended: every admitted request fails, and every request whose answer had not come."""
         self.replica = None
         self._fail_in_flight(error)
 

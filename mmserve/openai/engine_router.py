@@ -14,9 +14,9 @@ The engines come from `EngineSource`s: engine-client deployments made with the a
 the same engines), or an engine pool that Serve scales, whose replicas come and go. An engine that
 leaves is drained: sent nothing new, and its connection (which holds the replica) closed once the
 requests this router sent it have finished, so Serve can stop it without cutting a stream.
-How engine clients and the preprocessor are reached (Ray Serve handles, ZMQ links) is the
-deployments' business (`deployments/router.py`, `engine_connection.py`, `preprocessor_calls.py`): this
-class sees them through `EngineConnection` and `Preprocessing` (`pending_images.py`).
+How engine clients are reached (Ray Serve handles, ZMQ links) is the deployments' business
+(`deployments/router.py`, `engine_connection.py`): this class sees them through `EngineConnection`;
+the preprocessor, which the engine clients call, only by its name (`pending_images.py`).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from typing import Protocol
 from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from mmserve.multimodal import ImageBatchRequest
 from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
-from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused
+from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, PreprocessorName, RequestRefused
 from mmserve.wire import EngineCoreRequest
 
 from .engine_affinity import AffinityKeys, AffinityTable, EngineId, affinity_keys, choose_engine, home_engine
-from .pending_images import PendingImages, Preprocessing
+from .pending_images import PendingImages
 from .settings import RoutingSettings
 
 logger = logging.getLogger("ray.serve")
@@ -57,9 +57,9 @@ class EngineRouting(Protocol):
 
     def generate(self, request: EngineCoreRequest, images: object | None = None) -> AsyncIterator[EngineEvent]: ...
 
-    def preprocess(self, request: ImageBatchRequest, shared: bool = False) -> object:
-        """The request's images, to pass to `generate` (never resolved here); `shared`: by `n` > 1
-        children of one request."""
+    def preprocess(self, request: ImageBatchRequest, group: str = "", choices: int = 1) -> object:
+        """The request's images, to pass to `generate` with each of its `choices` engine requests
+        (`group`: the request's id when there are several)."""
         ...
 
 
@@ -68,7 +68,7 @@ class NoEngineAliveError(EngineDeadError):
 
 
 class ReplicaLostError(Exception):
-    """The replica serving a call (an engine client's or the preprocessor's) died under it."""
+    """The engine client serving a request died under it, or the request or its outputs were lost on the way."""
 
 
 class EngineCall(Protocol):
@@ -133,7 +133,7 @@ class EngineRouter:
         self,
         sources: list[EngineSource],
         *,
-        preprocessor: Preprocessing | None = None,
+        preprocessor: PreprocessorName | None = None,
         wait_timeout_s: float,
         refresh_interval_s: float = 1.0,
         info_timeout_s: float = 5.0,
@@ -268,23 +268,22 @@ class EngineRouter:
             dtype=info.dtype or "bfloat16",
         )
 
-    def preprocess(self, request: ImageBatchRequest, shared: bool = False) -> PendingImages:
-        """The request's images, processed for the engine client that takes the request: by that
-        engine client's own call to the preprocessor, or by a call from here whose response it
-        resolves (see `PendingImages`); either way the pixels never pass through this process."""
+    def preprocess(self, request: ImageBatchRequest, group: str = "", choices: int = 1) -> PendingImages:
+        """The request's images, for the engine client that takes the request to have the
+        preprocessor process them (`PendingImages`): the pixels never pass through this process."""
         if self._preprocessor is None:
             raise InvalidRequestError("this application has no image preprocessor", "messages")
-        return PendingImages(request, self._preprocessor, shared)
+        return PendingImages(request, self._preprocessor, group, choices)
 
     async def generate(self, request: EngineCoreRequest, images: PendingImages | None = None) -> AsyncIterator[EngineEvent]:
         """Stream the request from the engine chosen by load and affinity (see the module's doc).
 
         Until the first output a failure is retried once where that is safe: an engine found
-        dead goes to another ready engine (nothing was generated), and a preprocessing replica
-        that died takes the images to a new one (preprocessing has no side effects).
+        dead goes to another ready engine (nothing was generated), and a request whose engine
+        client was lost under it goes again (preprocessing has no side effects).
         """
         tried: set[EngineId] = set()
-        reprocessed = False
+        retried_lost = False
         keys = None
         if self._routing.affinity and len(self._routable()) > 1:
             keys = affinity_keys(request.prompt_token_ids or [], images.image_keys if images is not None else ())
@@ -316,22 +315,16 @@ class EngineRouter:
                     raise
                 retry = exc
             except ReplicaLostError as exc:
-                # A replica died under this request (the preprocessor's or an engine client's).
+                # The engine client, or the request on its way there, was lost: nothing was
+                # generated, so it goes again once, to any engine ready (its replacement too).
                 self._refreshed_at = 0.0
                 if produced:
                     raise EngineDeadError(f"the engine client serving this request failed: {exc}") from None
-                if images is not None and images.request is not None and not reprocessed:
-                    logger.warning("request %s: retrying after %s", request.request_id, exc)
-                    images = images.again()
-                    reprocessed = True
-                    tried.discard(name)
-                    retry = exc
-                elif images is not None and images.request is not None:
-                    raise GatewayBusyError(f"image preprocessing failed: {exc}; retry shortly") from None
-                elif len(self._routable()) > 1 or engine.draining:
-                    retry = exc  # (a draining engine's replacement may be another one)
-                else:
-                    raise EngineDeadError(f"the engine client serving this request failed: {exc}") from None
+                if retried_lost or (images is not None and images.request is None):  # (its URLs dropped: accepted once)
+                    raise GatewayBusyError(f"the engine client serving this request was lost: {exc}; retry shortly") from None
+                retried_lost = True
+                tried.discard(name)
+                retry = exc
             finally:
                 engine.in_flight -= 1
                 if not finished:
@@ -346,6 +339,12 @@ def _is_ready(info: EngineInfo | None) -> bool:
 
 def refusal_error(refusal: RequestRefused) -> Exception:
     """The typed error a refusal stands for (see `RequestRefused`)."""
+    if refusal.kind == "dead":
+        return EngineDeadError(refusal.message)
+    if refusal.kind == "not_ready":
+        return EngineNotReadyError(refusal.message)
+    if refusal.kind == "internal":
+        return RuntimeError(f"the engine client failed the request: {refusal.message}")
     if refusal.kind == "image":
         return ImageInputError(refusal.message)  # the message already names the image
     if refusal.kind == "image_too_large":

@@ -82,7 +82,7 @@ class ChatServing:
                 ImageBatchRequest(
                     urls=image_urls, pixel_mode=PixelMode(context.settings.pixel_mode), engine_dtype=prepared.limits.dtype
                 ),
-                shared=prepared.n > 1,
+                group=prepared.request_id if prepared.n > 1 else "", choices=prepared.n,
             )
         # The router holds the URLs until the preprocessor has them; this frame lives as long
         # as the response.

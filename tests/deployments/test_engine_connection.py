@@ -1,25 +1,70 @@
-"""An engine client's answers over the link, raised in the ingress as the same `add` over Ray would have raised them."""
+"""`HandleEngineConnection`: a request waits for the engine client's link, bounded, and goes over it;
+its answer and outputs come back through the connection's demux."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from deployments.engine_connection import _admission
-from mmserve.engine import EngineDeadError, EngineNotReadyError
-from mmserve.protocol import AddAnswer, AddFailed, Admission, RequestRefused
+from deployments.engine_connection import HandleEngineConnection
+from mmserve.protocol import AddAnswer, Admission, GatewayBusyError, OutputBatch, PromptAccepted, RequestRefused, TextRequest, decode_link_request
+from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
+from mmserve.zmq_link import LinkInbox, LinkOutbox
 
 
-def test_an_admission_is_handed_on():
-    refused = Admission(refused=RequestRefused("overloaded", "full"), replica="r1")
-    assert _admission(AddAnswer("a", admission=refused)) == refused
+def _request(request_id: str) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, [1, 2], None, SamplingParams(max_tokens=2), None, 0.0, None, None, None)
 
 
-@pytest.mark.parametrize(("kind", "error"), [("dead", EngineDeadError), ("not_ready", EngineNotReadyError), ("internal", RuntimeError)])
-def test_a_failure_is_raised_typed(kind, error):
-    with pytest.raises(error, match="the reason"):
-        _admission(AddAnswer("a", failed=AddFailed(kind, "the reason")))
+def _connection(link_timeout_s: float) -> HandleEngineConnection:
+    connection = HandleEngineConnection(None, "caller", link_timeout_s)  # type: ignore[arg-type]
+    connection._reader = asyncio.get_running_loop().create_future()  # (no Serve subscription here)
+    return connection
 
 
-def test_an_empty_answer_is_an_error_not_an_admission():
-    with pytest.raises(RuntimeError, match="neither"):
-        _admission(AddAnswer("a"))
+def test_a_request_with_no_link_open_in_time_is_a_503_to_retry():
+    async def scenario():
+        connection = _connection(0.2)
+        with pytest.raises(GatewayBusyError, match="not reachable within"):
+            async for _ in connection.generate(_request("a"), None):
+                pass
+
+    asyncio.run(scenario())
+
+
+def test_a_request_waits_for_the_link_then_goes_over_it_and_its_answer_and_outputs_come_back():
+    async def scenario():
+        connection = _connection(5.0)
+        inbox = LinkInbox("127.0.0.1")
+        events = []
+
+        async def consume():
+            async for event in connection.generate(_request("a"), None):
+                events.append(event)
+
+        consumer = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.1)
+        assert not events  # waiting for the link
+        connection.demux.connected("r1")
+        connection.link = LinkOutbox(inbox.address)
+        connection._link_open.set()
+        message = decode_link_request(await asyncio.wait_for(inbox.recv(), 5))
+        assert message == TextRequest("caller", _request("a"))
+        accepted = PromptAccepted([1, 2])
+        connection.demux.dispatch(OutputBatch(answers=[AddAnswer("a", Admission(accepted=accepted))]))
+        connection.demux.dispatch(OutputBatch(outputs=[EngineCoreOutput("a", [5])]))
+        connection.demux.dispatch(OutputBatch(outputs=[EngineCoreOutput("a", [6], finish_reason=FinishReason.LENGTH)]))
+        await asyncio.wait_for(consumer, 5)
+        assert events[0].accepted == accepted and all(e.accepted is None for e in events[1:])
+        assert [o.new_token_ids for e in events[1:] for o in e.outputs] == [[5], [6]]  # (merged while the consumer lags)
+        refused = RequestRefused("overloaded", "full")
+        call = connection.generate(_request("b"), None)
+        consumer = asyncio.ensure_future(anext(aiter(call)))
+        await asyncio.wait_for(inbox.recv(), 5)
+        connection.demux.dispatch(OutputBatch(answers=[AddAnswer("b", Admission(refused=refused))]))
+        assert (await asyncio.wait_for(consumer, 5)).refused == refused
+        connection.close()
+        inbox.close()
+
+    asyncio.run(scenario())

@@ -153,9 +153,9 @@ def test_in_flight_limit_gives_429_not_timeouts(serve_instance):
                 for task in long:
                     task.cancel()
                 await asyncio.gather(*long, return_exceptions=True)
-                return refused.status_code, (await asyncio.to_thread(app.engine_info)).link_image_requests
+                return refused.status_code, (await asyncio.to_thread(app.engine_info)).image_requests_received
 
-        images_before = app.engine_info().link_image_requests
+        images_before = app.engine_info().image_requests_received
         status, images_after = asyncio.run(full_engine_then_image())
         assert status == 429
         assert images_after == images_before + 1  # (it went over the link, to the engine client's check)

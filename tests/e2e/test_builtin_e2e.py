@@ -8,7 +8,6 @@ import httpx
 import openai
 import pytest
 
-from mmserve.openai.pending_images import LINK_MAX_URL_CHARS
 from tests.support.images import image_part, image_uri
 
 pytestmark = pytest.mark.serve
@@ -156,11 +155,10 @@ def test_client_disconnect_mid_stream_aborts_engine_request(builtin_app):
 
 
 def test_text_and_image_requests_travel_over_the_link(builtin_app):
-    """Once an ingress replica's subscription has named the engine client's inbox, its requests go
-    there over ZMQ, not as Ray calls (`mmserve.protocol`): text requests, and image requests, whose
-    images the engine client then has the preprocessor process; a request with images and `n` > 1
-    stays one Ray call per child, its children sharing the preprocessing the ingress started, and so
-    does one whose data URIs are too long for the link."""
+    """Every request goes to the engine client over ZMQ (`mmserve.protocol`): text requests, and
+    image requests, whose images the engine client then has the preprocessor process; a request with
+    images and `n` > 1 as one per choice, its choices sharing one preprocessing job, and one whose
+    data URIs weigh megabytes."""
     client = builtin_app.openai()
     client.chat.completions.create(model="mmserve-builtin", messages=CHAT, max_tokens=4)  # the subscription is open
     before = builtin_app.engine_info()
@@ -180,21 +178,23 @@ def test_text_and_image_requests_travel_over_the_link(builtin_app):
         else:
             assert response.choices[0].message.content
     after_image = builtin_app.engine_info()
-    shared = client.chat.completions.create(model="mmserve-builtin", max_tokens=4, messages=messages, n=2)
+    new_image = [{"role": "user", "content": [{"type": "text", "text": "And this?"}, image_part(image_uri(64, 48, seed=11))]}]
+    shared = client.chat.completions.create(model="mmserve-builtin", max_tokens=4, messages=new_image, n=2)
     assert len(shared.choices) == 2
     after_shared = builtin_app.engine_info()
-    big = image_uri(900, 900, seed=3)  # noisy: a data URI of some MB, over the link's 1 MiB of URLs
-    assert len(big) > LINK_MAX_URL_CHARS
+    big = image_uri(900, 900, seed=3)  # noisy: a data URI of some MB
+    assert len(big) > 2**20
     client.chat.completions.create(model="mmserve-builtin", max_tokens=4, messages=[
         {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image_part(big)]}])
     after_big = builtin_app.engine_info()
     assert after_text.requests_sent - before.requests_sent == 4
-    assert after_text.link_requests - before.link_requests == 4
-    assert after_text.link_image_requests == before.link_image_requests
+    assert after_text.requests_received - before.requests_received == 4
+    assert after_text.image_requests_received == before.image_requests_received
     assert after_image.requests_sent - after_text.requests_sent == 2
-    assert after_image.link_requests - after_text.link_requests == 2
-    assert after_image.link_image_requests - after_text.link_image_requests == 2
+    assert after_image.requests_received - after_text.requests_received == 2
+    assert after_image.image_requests_received - after_text.image_requests_received == 2
     assert after_shared.requests_sent - after_image.requests_sent == 2
-    assert after_shared.link_requests == after_image.link_requests
+    assert after_shared.image_requests_received - after_image.image_requests_received == 2
+    assert after_shared.preprocessing_jobs - after_image.preprocessing_jobs == 1  # one image processed for both
     assert after_big.requests_sent - after_shared.requests_sent == 1
-    assert after_big.link_requests == after_shared.link_requests
+    assert after_big.image_requests_received - after_shared.image_requests_received == 1

@@ -152,7 +152,7 @@ def test_a_repeated_image_goes_by_hash_without_the_preprocessor_and_comes_back_i
 
     def counts() -> tuple[int, int, int, int]:
         info = builtin_app.engine_info()
-        return info.link_image_requests, info.link_images_recalled, info.mm_items_skipped, info.mm_cache_miss_resends
+        return info.image_requests_received, info.images_recalled, info.mm_items_skipped, info.mm_cache_miss_resends
 
     start = counts()
     assert _expected_proof(data, 1) in ask(data)

@@ -162,6 +162,6 @@ def test_disconnect_during_an_image_fetch_cancels_the_fetch(app, dripping_image)
     assert dripping_image.hung_up.wait(5.0), "the fetch went on after the client left"
     print(f"the fetch hung up {time.monotonic() - left_at:.2f} s after the client left")
     after = app.engine_info()
-    assert after.link_image_requests - before.link_image_requests == 1
+    assert after.image_requests_received - before.image_requests_received == 1
     assert after.requests_sent == before.requests_sent
     assert after.num_in_flight == 0

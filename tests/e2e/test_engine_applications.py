@@ -77,11 +77,11 @@ def test_engine_applications_join_and_leave_while_serving_and_nothing_else_resta
         # application's preprocessor (another Serve application's deployment) itself.
         client = app.openai()
         client.chat.completions.create(model=BUILTIN, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
-        images_before = _engine(a).info.remote().result(timeout_s=30).link_image_requests
+        images_before = _engine(a).info.remote().result(timeout_s=30).image_requests_received
         answer = client.chat.completions.create(model=BUILTIN, max_tokens=2, messages=[
             {"role": "user", "content": [image_part(image_uri(64, 48, seed=1)), {"type": "text", "text": "What is it?"}]}])
         assert answer.choices[0].finish_reason == "length"
-        assert _engine(a).info.remote().result(timeout_s=30).link_image_requests == images_before + 1
+        assert _engine(a).info.remote().result(timeout_s=30).image_requests_received == images_before + 1
         ingress_pid = serve.get_deployment_handle("Ingress", app_name=name).pid.remote().result(timeout_s=30)
         engine_a_pid = _engine(a).pid.remote().result(timeout_s=30)
 

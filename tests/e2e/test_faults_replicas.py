@@ -108,7 +108,7 @@ def test_preprocessor_replica_killed_mid_request(serve_instance, image_dir):
         assert warm["status"] == 200, warm
         # Attached to the preprocessor: the requests below go over the preprocessing link.
         wait_for(lambda: _post(app, _images_body(image_dir, 0, stream=False), {}) or
-                 app.engine_info().link_images_over_preprocessing_link > 0, 30, "the preprocessing link in use", interval_s=0.2)
+                 app.engine_info().preprocessing_jobs > 0, 30, "the preprocessing link in use", interval_s=0.2)
         sent = app.engine_info().requests_sent
         results = [dict() for _ in range(4)]
         threads = [threading.Thread(target=_post, args=(app, _images_body(image_dir, i, stream=i % 2 == 1), r))
@@ -223,7 +223,7 @@ def test_engine_client_killed_ends_its_preprocessor_attachment(serve_instance):
     app = deploy_app(serve_instance, name, {"preprocessor": {"min_replicas": 1, "max_replicas": 1}})
     try:
         wait_for(lambda: _post(app, _small_image_body(), {}) or
-                 app.engine_info().link_images_over_preprocessing_link > 0, 30, "the preprocessing link in use", interval_s=0.2)
+                 app.engine_info().preprocessing_jobs > 0, 30, "the preprocessing link in use", interval_s=0.2)
         killed = _kill_replica(name, "EngineClient0")
         logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
 
@@ -240,6 +240,6 @@ def test_engine_client_killed_ends_its_preprocessor_attachment(serve_instance):
 
         wait_for(ok, 90, "image requests work again", interval_s=1.0)
         wait_for(lambda: _post(app, _small_image_body(), {}) or
-                 app.engine_info().link_images_over_preprocessing_link > 0, 30, "the new engine client attached", interval_s=0.2)
+                 app.engine_info().preprocessing_jobs > 0, 30, "the new engine client attached", interval_s=0.2)
     finally:
         serve.delete(name, _blocking=True)

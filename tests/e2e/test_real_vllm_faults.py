@@ -142,7 +142,7 @@ def test_repeated_image_sent_by_hash_and_a_miss_resent(fault_app):
     app.engine_utility("reset_mm_cache")  # whatever an earlier test sent: the engine holds nothing
     first, first_bytes = _sent(app)  # the mirror may still believe it holds the image: a miss, resent
     skips, resends = _skips_and_resends(app)
-    recalled = app.engine_info().link_images_recalled
+    recalled = app.engine_info().images_recalled
     second, second_bytes = _sent(app)
     print(f"bytes sent: first {first_bytes}, repeat {second_bytes}")
     assert first_bytes >= PIXEL_BYTES, first_bytes
@@ -158,7 +158,7 @@ def test_repeated_image_sent_by_hash_and_a_miss_resent(fault_app):
     # One ADD by hash (missed), one resend with the pixels: the repeats were recalled without the
     # preprocessor (`RecentImages`), so the third's pixels were processed anew for its resend.
     assert PIXEL_BYTES <= third_bytes < PIXEL_BYTES + 2 * MAX_ADD_WITHOUT_PIXELS, third_bytes
-    assert app.engine_info().link_images_recalled - recalled == 2
+    assert app.engine_info().images_recalled - recalled == 2
     fourth, fourth_bytes = _sent(app)
     assert fourth == first and fourth_bytes < MAX_ADD_WITHOUT_PIXELS
 

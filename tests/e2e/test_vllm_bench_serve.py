@@ -33,12 +33,12 @@ def test_vllm_bench_serve_openai_chat_completes_every_request(builtin_app, tmp_p
         "--tokenizer", str(BUILTIN_MODEL_DIR), *dataset, "--num-prompts", str(PROMPTS), "--max-concurrency", "4",
         "--seed", "0", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "result.json",
     ]
-    images_before = builtin_app.engine_info().link_image_requests
+    images_before = builtin_app.engine_info().image_requests_received
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, env={"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["completed"] == PROMPTS and result.get("failed", 0) == 0, {k: result.get(k) for k in ("completed", "failed", "errors")}
     assert result["total_output_tokens"] > 0
-    images = builtin_app.engine_info().link_image_requests - images_before
+    images = builtin_app.engine_info().image_requests_received - images_before
     # (vLLM's tool first sends one request of its own to check the server is up.)
     assert images in ((PROMPTS, PROMPTS + 1) if "random-mm" in dataset else (0,)), images

@@ -9,7 +9,7 @@ import pytest
 from mmserve.engine import EngineDeadError
 from mmserve.openai.engine_outputs import OutputDemux
 from mmserve.openai.engine_router import ReplicaLostError
-from mmserve.protocol import AddAnswer, Admission, OutputBatch, RequestFailed
+from mmserve.protocol import AddAnswer, Admission, OutputBatch, PromptAccepted, RequestFailed
 from mmserve.wire import EngineCoreOutput, FinishReason
 
 
@@ -56,18 +56,18 @@ def test_an_answer_over_the_link_reaches_its_request_even_after_its_outputs():
         demux = OutputDemux()
         request = demux.register("a")
         request.awaiting_answer = True
-        answer = AddAnswer("a", admission=Admission(replica="r1"))
+        answer = AddAnswer("a", Admission(accepted=PromptAccepted([1, 2])))
         waiting = asyncio.create_task(request.next_answer())
         demux.dispatch(OutputBatch([EngineCoreOutput("a", [1])]))  # the outputs first: the answer is still awaited
         await asyncio.sleep(0.01)
         pending = not waiting.done()
-        demux.dispatch(OutputBatch(answers=[answer, AddAnswer("unknown", admission=Admission())]))
+        demux.dispatch(OutputBatch(answers=[answer, AddAnswer("unknown", Admission())]))
         got = await asyncio.wait_for(waiting, 1)
-        return pending, got, await request.next(), request.awaiting_answer
+        return pending, got, answer, await request.next(), request.awaiting_answer
 
-    pending, got, outputs, still_awaiting = asyncio.run(run())
+    pending, got, answer, outputs, still_awaiting = asyncio.run(run())
     assert pending, "outputs do not stand for the answer"
-    assert got == AddAnswer("a", admission=Admission(replica="r1"))
+    assert got == answer
     assert [o.new_token_ids for o in outputs] == [[1]], "outputs that came first are kept"
     assert not still_awaiting
 

@@ -11,7 +11,7 @@ from mmserve.multimodal import ImageBatchRequest, PixelMode
 from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
 from mmserve.openai.engine_router import EngineRouter, NoEngineAliveError, PendingImages, ReplicaLostError, StaticEngines, refusal_error
 from mmserve.openai.errors import openai_error
-from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, RequestRefused
+from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, ImageRequest, PreprocessorName, RequestRefused
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
 from tests.support.defaults import routing_settings
 
@@ -52,21 +52,13 @@ class FakeEngine:
         pass
 
     def generate(self, request, images):
-        self.images.append(images.response() if images is not None else None)  # as a Ray call does
+        self.images.append(images.message("caller", request) if images is not None else None)  # as the link sends it
         call = FakeCall(self.events, self.fail)
         self.calls.append(call)
         return call
 
 
-class FakePreprocessing:
-    name = None  # engine clients cannot call it: every call is started here
-
-    def __init__(self) -> None:
-        self.started = 0
-
-    def process(self, request):
-        self.started += 1
-        return f"response-{self.started}"
+PREPROCESSOR = PreprocessorName("app", "Preprocessor")
 
 
 def _router(engines, preprocessor=None, wait_timeout_s=0.0) -> EngineRouter:
@@ -112,15 +104,35 @@ def test_a_failure_after_output_is_not_retried():
         _collect(_router([lost]))
 
 
-def test_a_lost_preprocessor_replica_gets_the_images_once_more():
-    preprocessing = FakePreprocessing()
-    engine = FakeEngine(events=[], fail=ReplicaLostError("preprocessor died"))
-    router = _router([engine], preprocessing)
-    images = router.preprocess(ImageBatchRequest(urls=["data:x"], pixel_mode=PixelMode("device_normalize"), engine_dtype="float32"))
+def test_a_request_lost_before_its_first_output_goes_once_more_its_images_with_it():
+    engine = FakeEngine(events=[], fail=ReplicaLostError("engine client died"))
+    router = _router([engine], PREPROCESSOR)
+    batch = ImageBatchRequest(urls=["data:x"], pixel_mode=PixelMode("device_normalize"), engine_dtype="float32")
+    images = router.preprocess(batch)
     assert isinstance(images, PendingImages)
-    with pytest.raises(GatewayBusyError, match="image preprocessing failed"):
+    with pytest.raises(GatewayBusyError, match="was lost: engine client died"):
         _collect(router, images)
-    assert preprocessing.started == 2 and engine.images == ["response-1", "response-2"]
+    assert engine.images == [ImageRequest("caller", _request(), batch, PREPROCESSOR)] * 2
+    # Lost once: the second try, on the same engine (its engine client's replacement), answers.
+    events = _collect(_router([_Once(FakeEngine(events=[], fail=ReplicaLostError("lost on the way")), FakeEngine())]))
+    assert [o.new_token_ids for e in events for o in e.outputs] == [[5]]
+
+
+class _Once:
+    """One engine whose first call fails as `first` does, and whose later ones answer as `then` does."""
+
+    def __init__(self, first: FakeEngine, then: FakeEngine) -> None:
+        self.first, self.then, self.calls = first, then, 0
+
+    async def info(self):
+        return await self.then.info()
+
+    def close(self) -> None:
+        pass
+
+    def generate(self, request, images):
+        self.calls += 1
+        return (self.first if self.calls == 1 else self.then).generate(request, images)
 
 
 @pytest.mark.parametrize(
@@ -131,6 +143,7 @@ def test_a_lost_preprocessor_replica_gets_the_images_once_more():
         (RequestRefused("busy", "decoding other images", "messages", retry_after_s=1), GatewayBusyError),
         (RequestRefused("overloaded", "full"), EngineOverloadedError),
         (RequestRefused("invalid", "too long", "max_tokens"), InvalidRequestError),
+        (RequestRefused("internal", "a bug"), RuntimeError),
     ],
 )
 def test_refusals_become_typed_errors_and_are_not_retried(refusal, error):
