@@ -31,7 +31,7 @@ class ScriptedRouter:
     async def limits(self, wait: bool = True) -> EngineLimits:
         return EngineLimits(max_model_len=MAX_MODEL_LEN, engine_kind="mmserve-builtin")
 
-    def preprocess(self, request, shared: bool = False):
+    def preprocess(self, request, group: str = "", choices: int = 1):
         return request
 
     async def generate(self, request, images=None):

@@ -56,7 +56,7 @@ class CapturingRouter:
     async def limits(self, wait: bool = True) -> EngineLimits:
         return EngineLimits(max_model_len=MAX_MODEL_LEN, engine_kind="vllm", dtype="bfloat16")
 
-    def preprocess(self, request: ImageBatchRequest, shared: bool = False):
+    def preprocess(self, request: ImageBatchRequest, group: str = "", choices: int = 1):
         return request
 
     async def generate(self, request, images=None):
