@@ -24,7 +24,7 @@ import uvloop  # noqa: E402
 import zmq  # noqa: E402
 import zmq.asyncio  # noqa: E402
 
-from mmserve.zmq_link import LinkInbox  # noqa: E402
+from mmserve.transit.sockets import LinkInbox  # noqa: E402
 
 SENDER = """
 import sys, time, zmq

@@ -32,9 +32,9 @@ import uvloop  # noqa: E402
 
 from mmserve.builtin_engine import builtin_engine_command  # noqa: E402
 from mmserve.engine import EngineAddresses, EngineClient  # noqa: E402
-from mmserve.zmq_link import LinkOutbox  # noqa: E402
+from mmserve.transit.sockets import LinkOutbox  # noqa: E402
 from mmserve.engine.outputs import CallerChannel  # noqa: E402
-from mmserve.protocol import OutputBatch, RequestFailed, encode  # noqa: E402
+from mmserve.transit.engine_link import OutputBatch, RequestFailed, encode  # noqa: E402
 from mmserve.wire import EngineCoreRequest, SamplingParams  # noqa: E402
 from tests.support.defaults import engine_client_config  # noqa: E402
 

@@ -19,7 +19,7 @@ import random
 import statistics
 import time
 
-from mmserve.openai.engine_affinity import AffinityTable, affinity_keys, choose_engine, home_engine, image_key
+from mmserve.transit.affinity import AffinityTable, affinity_keys, choose_engine, home_engine, image_key
 
 PROMPT_TOKENS = 2000
 IMAGE_BYTES = 100_000

@@ -11,7 +11,7 @@ waits on the same addresses (`EngineClientServer`); `check_health` fails only if
 
 Each ingress replica holds one Ray call open here (`subscribe`); beside it, over ZMQ, its
 requests and aborts arrive at this replica's inbox, and their answers and outputs leave for the
-caller's inbox, merged per engine step (`mmserve.zmq_link`): Ray carries nothing from the
+caller's inbox, merged per engine step (`mmserve.transit.sockets`): Ray carries nothing from the
 ingress per request and nothing per token. For an image request this replica has the preprocessor
 the request names process its images, over the preprocessing link (`link_images.py`): the pixels
 come through Ray's object store and go on to the engine uncopied.
@@ -33,8 +33,8 @@ from ray import serve
 from mmserve.engine import EngineDeadError, EngineNotReadyError
 from mmserve.engine.outputs import CallerChannel
 from mmserve.engine.frame_diagnostics import FrameTrace
-from mmserve.zmq_link import LinkInbox, LinkOutbox
-from mmserve.protocol import (
+from mmserve.transit.sockets import LinkInbox, LinkOutbox
+from mmserve.transit.engine_link import (
     AbortRequests, AddAnswer, Admission, EngineInfo, ImageRequest, OutputBatch, RequestFailed, RequestRefused, TextRequest,
     decode_link_request, encode, unreadable_request_sender,
 )
@@ -75,7 +75,7 @@ def _node_id() -> str:
 class EngineClientDeployment:
     """Each ingress replica (a caller) holds one long-lived `subscribe` call here, beside which the
     outputs of all its requests travel over ZMQ, merged per engine step (`CallerChannel`), and its
-    requests and aborts arrive over ZMQ (`_read_link`; see `mmserve.protocol`)."""
+    requests and aborts arrive over ZMQ (`_read_link`; see `mmserve.transit.engine_link`)."""
 
     async def __init__(self, settings: EngineClientSettings) -> None:
         log_package_to_replica()
@@ -133,7 +133,7 @@ class EngineClientDeployment:
 
     async def subscribe(self, caller: str, inbox: str, engine: str = "") -> AsyncIterator[bytes]:
         """The caller's output stream: one `OutputBatch` naming this replica, here; then, over ZMQ
-        to the caller's `inbox` (see `mmserve.zmq_link`), batches of its requests' outputs
+        to the caller's `inbox` (see `mmserve.transit.sockets`), batches of its requests' outputs
         and failures, each as soon as the previous one is on its way. This call stays open as
         long as the link: it ends (and aborts the caller's requests) when the caller cancels it or
         dies. A stream meant for another replica ends at once."""
@@ -201,7 +201,7 @@ class EngineClientDeployment:
         await self.server.client.abort_quietly(message.request_ids)
 
     async def _read_link(self) -> None:
-        """Requests and aborts from the callers, over ZMQ (`mmserve.protocol.LinkRequest`),
+        """Requests and aborts from the callers, over ZMQ (`mmserve.transit.engine_link.LinkRequest`),
         each handled as its own task, in arrival order: an abort that follows its request finds it
         tracked (or makes the request abort itself once sent, see `_add`)."""
         while True:

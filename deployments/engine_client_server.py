@@ -25,7 +25,7 @@ from mmserve.engine.mm_adds import Refill
 from mmserve.engine.outputs import OutputSink
 from mmserve.engine.mm_cache import EngineCacheSettings
 from mmserve.multimodal import ImagesRefused, PlaceholderMismatch, ProcessedImages, attach_images
-from mmserve.protocol import Admission, EngineInfo, PromptAccepted, RequestRefused
+from mmserve.transit.engine_link import Admission, EngineInfo, PromptAccepted, RequestRefused
 from mmserve.wire import EngineCoreRequest
 
 logger = logging.getLogger("ray.serve")

@@ -1,8 +1,8 @@
 """One engine client as an ingress replica reaches it: a Serve handle for its control calls, ZMQ links for its requests and outputs, Ray's failures typed.
 
 `HandleEngineConnection` adapts an engine client's `DeploymentHandle` (its `subscribe` and `info`
-calls) and the links its subscription opens (`mmserve.zmq_link`) to
-`mmserve.openai.engine_router.EngineConnection`; `HandleEngineCall` is one request on it. Where the
+calls) and the links its subscription opens (`mmserve.transit.sockets`) to
+`mmserve.transit.router.EngineConnection`; `HandleEngineCall` is one request on it. Where the
 engines come from (a deployment, a pool, engine applications) is `deployments/router.py`'s business.
 """
 
@@ -16,11 +16,11 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from mmserve.zmq_link import LinkInbox, LinkOutbox
-from mmserve.openai.engine_outputs import OutputDemux, RequestOutputs
-from mmserve.openai.engine_router import ReplicaLostError
-from mmserve.openai.pending_images import PendingImages
-from mmserve.protocol import AbortRequests, EngineEvent, EngineInfo, GatewayBusyError, TextRequest, decode_output_batch, encode
+from mmserve.transit.sockets import LinkInbox, LinkOutbox
+from mmserve.transit.engine_outputs import OutputDemux, RequestOutputs
+from mmserve.transit.router import ReplicaLostError
+from mmserve.transit.pending_images import PendingImages
+from mmserve.transit.engine_link import AbortRequests, EngineEvent, EngineInfo, GatewayBusyError, TextRequest, decode_output_batch, encode
 from mmserve.wire import EngineCoreRequest
 
 from .ray_errors import describe, innermost_cause
@@ -37,7 +37,7 @@ class HandleEngineConnection:
     """One engine client through its deployment's handle: one long-lived `subscribe` call, beside
     which outputs and answers come back over ZMQ to this replica's inbox, read by a background task
     and handed to each request by `OutputDemux`; requests and aborts go over ZMQ to the engine
-    client's inbox, which the subscription names (`link`; see `mmserve.protocol`). A request waits
+    client's inbox, which the subscription names (`link`; see `mmserve.transit.engine_link`). A request waits
     up to `link_timeout_s` for the link to open (a 503 after). For an engine pool, `engine` names
     the replica the calls are for (`deployments/engine_pool.py`)."""
 

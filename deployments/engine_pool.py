@@ -1,7 +1,7 @@
 """The engine pool: its routing, in Ray Serve's request-router API (every call names its engine), and its scaling.
 
 An engine pool is one engine-client deployment whose replicas Serve scales, each owning the engine
-it launched. The ingress chooses the engine itself (`mmserve.openai.engine_router`: load, affinity,
+it launched. The ingress chooses the engine itself (`mmserve.transit.router`: load, affinity,
 drains), so the pool's request router does not choose: it delivers each call to the replica named
 by the call's `engine` argument, and it tells the ingress which replicas there are (the same list
 in every ingress replica: Serve's controller broadcasts it to every router).

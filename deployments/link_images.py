@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 from mmserve.multimodal import ImagesRefused, ProcessedImages
 from mmserve.multimodal.recent_images import RecentImages
-from mmserve.protocol import ImageRequest
+from mmserve.transit.engine_link import ImageRequest
 
 from .engine_client_server import Reprocess
 from .pixel_store import RayPixelStore

@@ -2,7 +2,7 @@
 
 A preprocessor replica writes a request's large arrays there once (`put`: one `ray.put`, which makes
 the replica the object's owner) and keeps the reference until the engine client has mapped them
-(`mmserve/multimodal/preprocessing_server.py`); the engine client maps them where they lie (`get`: a
+(`mmserve/transit/preprocessing_server.py`); the engine client maps them where they lie (`get`: a
 read-only view of the store's shared memory on one node, Ray's object transfer from another) and hands
 that memory to the engine's socket.
 
@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from mmserve.multimodal.preprocessing_link import PixelsLost
+from mmserve.transit.preprocessing_link import PixelsLost
 
 from .ray_errors import describe
 
@@ -43,7 +43,7 @@ _decode = msgspec.msgpack.Decoder(_Name).decode
 
 
 class RayPixelStore:
-    """`mmserve.multimodal.preprocessing_link.PixelStore` over Ray's object store (in a Ray worker)."""
+    """`mmserve.transit.preprocessing_link.PixelStore` over Ray's object store (in a Ray worker)."""
 
     def put(self, arrays: list[np.ndarray]) -> tuple[bytes, Any]:
         import ray

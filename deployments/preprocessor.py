@@ -1,7 +1,7 @@
 """Preprocessor deployment: the CPU-heavy image tier, autoscaled on its own, with its options beside it.
 
 Its work comes from the engine clients, over the preprocessing link
-(`mmserve.multimodal.preprocessing_server`): each attaches with one long-lived Serve call
+(`mmserve.transit.preprocessing_server`): each attaches with one long-lived Serve call
 (`subscribe`), then sends jobs to this replica's inbox; each answer's pixels are written once into
 Ray's object store (`pixel_store.py`), where the engine client maps them. No Ray call per image
 request. The replica admits, queues and refuses its jobs itself (`replica_admission.py`).
@@ -22,10 +22,10 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 from mmserve.fetch import FetchPolicy
 from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages, load_image_family
 from mmserve.multimodal.errors import ImageInputError, PreprocessorBusyError, images_refused
-from mmserve.multimodal.preprocessing_link import PreprocessorHello
-from mmserve.multimodal.preprocessing_server import PreprocessingServer
+from mmserve.transit.preprocessing_link import PreprocessorHello
+from mmserve.transit.preprocessing_server import PreprocessingServer
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
-from mmserve.multimodal.replica_admission import ReplicaAdmission
+from mmserve.transit.replica_admission import ReplicaAdmission
 from mmserve.vision import resize_path, warm_up_resize
 
 from .caller_watch import HeldCalls

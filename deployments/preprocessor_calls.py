@@ -4,7 +4,7 @@
 open there: the replica's inbox, and its end says the replica is gone), as Serve's replica list
 changes; `PreprocessorCalls` sends each request's images to an attached replica as one ZMQ message
 and reads the answer, its pixels mapped from the object store
-(`mmserve.multimodal.preprocessing_client`). No Ray call per image request.
+(`mmserve.transit.preprocessing_client`). No Ray call per image request.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages
-from mmserve.multimodal.preprocessing_client import NoReplicaAttached, PreprocessingInbox, PreprocessorReplicas, ReplicaLost
-from mmserve.multimodal.preprocessing_link import PixelStore
-from mmserve.protocol import PreprocessorName
+from mmserve.transit.preprocessing_client import NoReplicaAttached, PreprocessingInbox, PreprocessorReplicas, ReplicaLost
+from mmserve.transit.preprocessing_link import PixelStore
+from mmserve.transit.engine_link import PreprocessorName
 
 from .engine_pool_members import pool_members, watch_members
 from .ray_errors import describe, innermost_cause

@@ -1,6 +1,6 @@
 """The engine router's Ray side: where the engines come from (engine-client deployments, an engine pool, engine applications), reached through Serve handles, and the preprocessor's name.
 
-The routing itself (engine choice, retries, limits) is the plain `mmserve.openai.engine_router.
+The routing itself (engine choice, retries, limits) is the plain `mmserve.transit.router.
 EngineRouter`; this module gives it its `EngineSource`s and `Preprocessing`; one engine client as an
 `EngineConnection` is `deployments/engine_connection.py`.
 """
@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from mmserve.openai.engine_router import EngineConnection, EngineRouter, EngineSource, StaticEngines
-from mmserve.openai.settings import RoutingSettings
-from mmserve.protocol import PreprocessorName
+from mmserve.transit.router import EngineConnection, EngineRouter, EngineSource, StaticEngines
+from mmserve.transit.settings import RoutingSettings
+from mmserve.transit.engine_link import PreprocessorName
 
 from .engine_connection import HandleEngineConnection
 from .engine_pool_members import pool_members

@@ -15,7 +15,8 @@ from mmserve.engine import EngineAddresses
 from mmserve.engine.mm_cache import EngineCacheSettings
 from mmserve.fetch import FetchPolicy
 from mmserve.multimodal.preprocessor import PreprocessorLimits
-from mmserve.openai.settings import RoutingSettings, ServingLimits, ServingSettings, ToolCallSettings
+from mmserve.openai.settings import ServingLimits, ServingSettings, ToolCallSettings
+from mmserve.transit.settings import RoutingSettings
 from mmserve.vision import ImageLimits
 
 from .config import AppConfig, EngineEndpoint

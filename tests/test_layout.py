@@ -37,17 +37,15 @@ MMSERVE_DEPENDS_ON: dict[str, set[str]] = {
     "mmserve.model_files": {"mmserve.tokenizer_files"},
     "mmserve.fetch": set(),
     "mmserve.vision": set(),
-    # The ZMQ links between the gateway's processes (ingress ↔ engine client, engine client ↔ preprocessor).
-    "mmserve.zmq_link": set(),
-    # (The protocol carries image requests as the preprocessor takes them: `ImageBatchRequest`.)
-    "mmserve.protocol": {"mmserve.wire", "mmserve.multimodal"},
     "mmserve.engine": {"mmserve.wire"},
     "mmserve.text": {"mmserve.model_files", "mmserve.tokenizer_files"},
-    "mmserve.multimodal": {"mmserve.wire", "mmserve.model_files", "mmserve.fetch", "mmserve.vision", "mmserve.text", "mmserve.zmq_link"},
+    "mmserve.multimodal": {"mmserve.wire", "mmserve.model_files", "mmserve.fetch", "mmserve.vision", "mmserve.text"},
     "mmserve.builtin_engine": {"mmserve.wire", "mmserve.model_files", "mmserve.launcher"},
     "mmserve.launcher": set(),
+    # A request's travel between the tiers: links, their messages, routing (images as `ImageBatchRequest`).
+    "mmserve.transit": {"mmserve.wire", "mmserve.engine", "mmserve.multimodal"},
     "mmserve.openai": {
-        "mmserve.wire", "mmserve.protocol", "mmserve.engine", "mmserve.text", "mmserve.multimodal", "mmserve.vision",
+        "mmserve.wire", "mmserve.transit", "mmserve.engine", "mmserve.text", "mmserve.multimodal", "mmserve.vision",
     },
 }
 

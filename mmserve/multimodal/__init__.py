@@ -1,5 +1,5 @@
-"""Images between the tiers: the preprocessing request/response types, model families,
-the preprocessor (fetch → decode → process) and the engine-side feature builder."""
+"""Images: the preprocessing request/response types, model families, the preprocessor (fetch →
+decode → process), what the engine client expands a prompt with, and the images it recalls."""
 
 from .families import ImageFamily, LlavaFamily, Qwen2VLFamily, UnsupportedImageFamily, load_image_family, pixel_dtype_for
 from .features import PlaceholderMismatch, attach_images, expand_image_placeholders

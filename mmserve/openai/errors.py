@@ -1,6 +1,6 @@
 """The one table from internal errors to HTTP: each error's status and OpenAI error body.
 
-Lower layers raise typed errors that know nothing of HTTP (`mmserve.engine`, `mmserve.protocol`,
+Lower layers raise typed errors that know nothing of HTTP (`mmserve.engine`, `mmserve.transit.engine_link`,
 `mmserve.multimodal`, the engine router); `openai_error` turns any of them into an `OpenAIError`,
 whose body is OpenAI's JSON: `{"error": {"message", "type", "param", "code"}}`. The ingress
 recognises errors by type, here, and nowhere else.
@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
-from mmserve.protocol import GatewayBusyError
+from mmserve.transit.engine_link import GatewayBusyError
 
-from .engine_router import NoEngineAliveError
+from mmserve.transit.router import NoEngineAliveError
 from .protocol import ErrorInfo, ErrorResponse
 
 _TYPE_BY_STATUS = {

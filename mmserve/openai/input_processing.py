@@ -34,7 +34,7 @@ from mmserve.text import (
 from mmserve.wire import SamplingParams, StructuredOutputsParams
 
 from . import request_checks
-from .engine_router import EngineLimits, PendingImages
+from mmserve.transit.router import EngineLimits, PendingImages
 from .errors import OpenAIError, bad_request
 from .intake import text_chars
 from .metrics import RequestRecord

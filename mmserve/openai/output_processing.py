@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from mmserve.protocol import EngineEvent
+from mmserve.transit.engine_link import EngineEvent
 from mmserve.text import IncrementalDetokenizer, SequenceText, Tokenizer
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason
 

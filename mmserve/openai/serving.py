@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from mmserve.vision import resize_path
 
-from .engine_router import EngineRouting
+from mmserve.transit.router import EngineRouting
 from .grammar_check import load_grammar_parser
 from .input_processing import InputProcessor
 from .metrics import Metrics, RequestRecord

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .engine_router import EngineLimits, EngineRouting
+from mmserve.transit.router import EngineLimits, EngineRouting
 from .errors import OpenAIError, openai_error
 from .input_processing import InputProcessor
 from .logprobs import PromptLogprobs

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmserve.transit.settings import RoutingSettings
+
 
 @dataclass(frozen=True)
 class ServingLimits:
@@ -32,20 +34,6 @@ class ServingLimits:
     ingress_body_budget_bytes: int | None
     small_request_bytes: int
     body_read_timeout_s: float
-
-
-@dataclass(frozen=True)
-class RoutingSettings:
-    """How the router chooses an engine (see README's configuration table, `routing.*`)."""
-
-    # Prefer the engine that served the same images or the longest shared prompt prefix.
-    affinity: bool
-    # An affine engine is chosen only if its load ≤ the least-loaded engine's + this.
-    max_imbalance: int
-    # Keys (image digests and prefix blocks) remembered, least recently used evicted first.
-    affinity_entries: int
-    # KV-cache usage at or above which an engine counts max_imbalance + 1 requests busier.
-    kv_cache_full: float
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from deployments.engine_connection import HandleEngineConnection
-from mmserve.protocol import AddAnswer, Admission, GatewayBusyError, OutputBatch, PromptAccepted, RequestRefused, TextRequest, decode_link_request
+from mmserve.transit.engine_link import AddAnswer, Admission, GatewayBusyError, OutputBatch, PromptAccepted, RequestRefused, TextRequest, decode_link_request
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
-from mmserve.zmq_link import LinkInbox, LinkOutbox
+from mmserve.transit.sockets import LinkInbox, LinkOutbox
 
 
 def _request(request_id: str) -> EngineCoreRequest:

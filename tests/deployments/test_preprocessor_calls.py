@@ -8,9 +8,9 @@ import logging
 
 from deployments.preprocessor_calls import PreprocessorCalls
 from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages
-from mmserve.multimodal.preprocessing_client import NoReplicaAttached, ReplicaLost
+from mmserve.transit.preprocessing_client import NoReplicaAttached, ReplicaLost
 from mmserve.multimodal.types import PixelMode
-from mmserve.protocol import PreprocessorName
+from mmserve.transit.engine_link import PreprocessorName
 
 NAME = PreprocessorName("app", "Preprocessor")
 REQUEST = ImageBatchRequest(urls=["data:image/png;base64,AAAA"], pixel_mode=PixelMode.DEVICE_NORMALIZE, engine_dtype="bfloat16")

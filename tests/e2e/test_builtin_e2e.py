@@ -155,7 +155,7 @@ def test_client_disconnect_mid_stream_aborts_engine_request(builtin_app):
 
 
 def test_text_and_image_requests_travel_over_the_link(builtin_app):
-    """Every request goes to the engine client over ZMQ (`mmserve.protocol`): text requests, and
+    """Every request goes to the engine client over ZMQ (`mmserve.transit.engine_link`): text requests, and
     image requests, whose images the engine client then has the preprocessor process; a request with
     images and `n` > 1 as one per choice, its choices sharing one preprocessing job, and one whose
     data URIs weigh megabytes."""

@@ -6,9 +6,9 @@ import pytest
 
 from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError, fit_max_tokens
 from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
-from mmserve.openai.engine_router import NoEngineAliveError
+from mmserve.transit.router import NoEngineAliveError
 from mmserve.openai.errors import ERROR_TABLE, OpenAIError, internal_error, openai_error
-from mmserve.protocol import GatewayBusyError
+from mmserve.transit.engine_link import GatewayBusyError
 
 
 @pytest.mark.parametrize(

@@ -8,12 +8,12 @@ import json
 import pytest
 
 from mmserve.engine import EngineDeadError, admit
-from mmserve.openai.engine_router import EngineLimits
+from mmserve.transit.router import EngineLimits
 from mmserve.openai.errors import OpenAIError, openai_error
 from mmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from mmserve.openai.serving import OpenAIServer
 from mmserve.openai.sse import DONE, ErrorEvent
-from mmserve.protocol import EngineEvent
+from mmserve.transit.engine_link import EngineEvent
 from mmserve.wire import EngineCoreOutput, FinishReason
 from serve_app.config import AppConfig
 from serve_app.settings import serving_settings

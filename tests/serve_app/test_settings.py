@@ -56,7 +56,7 @@ def test_routing_settings_reach_the_router_and_bad_values_are_refused():
     import pydantic
     import pytest
 
-    from mmserve.openai.settings import RoutingSettings
+    from mmserve.transit.settings import RoutingSettings
 
     assert dataclasses.asdict(serving_settings(AppConfig()).routing) == RoutingConfig().model_dump()
     config = AppConfig.model_validate(

@@ -19,7 +19,8 @@ from mmserve.engine import EngineAddresses, EngineClientConfig
 from mmserve.engine.mm_cache import EngineCacheSettings
 from mmserve.fetch import FetchPolicy
 from mmserve.multimodal.preprocessor import PreprocessorLimits
-from mmserve.openai.settings import RoutingSettings, ServingLimits, ServingSettings
+from mmserve.openai.settings import ServingLimits, ServingSettings
+from mmserve.transit.settings import RoutingSettings
 from mmserve.vision import ImageLimits
 from serve_app import settings as app_settings
 from serve_app.config import AppConfig

@@ -23,9 +23,9 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 from mmserve.engine import admit  # noqa: E402
 from mmserve.multimodal import ImageBatchRequest, attach_images, load_image_family  # noqa: E402
 from mmserve.multimodal.preprocessor import ImagePreprocessor  # noqa: E402
-from mmserve.protocol import EngineEvent  # noqa: E402
+from mmserve.transit.engine_link import EngineEvent  # noqa: E402
 from mmserve.wire import EngineCoreOutput, FinishReason, OutputDecoder, RequestEncoder  # noqa: E402
-from mmserve.openai.engine_router import EngineLimits  # noqa: E402
+from mmserve.transit.router import EngineLimits  # noqa: E402
 from mmserve.openai.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from mmserve.openai.serving import OpenAIServer  # noqa: E402
 from serve_app.config import BUILTIN_MODEL_DIR, AppConfig  # noqa: E402

@@ -1,4 +1,4 @@
-"""The ZMQ links (`mmserve.zmq_link`): `SocketReader`, a PULL socket read by a thread, handed to the loop
+"""The ZMQ links (`mmserve.transit.sockets`): `SocketReader`, a PULL socket read by a thread, handed to the loop
 and stopped at once by `close`; and the inbox and outbox over it, messages whole and in order."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from mmserve.zmq_link import LinkInbox, LinkOutbox, SocketReader
+from mmserve.transit.sockets import LinkInbox, LinkOutbox, SocketReader
 from tests.support.zmq_ports import assert_bindable_soon
 
 

@@ -31,10 +31,10 @@ from typing import Protocol
 from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from mmserve.multimodal import ImageBatchRequest
 from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
-from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, PreprocessorName, RequestRefused
+from .engine_link import EngineEvent, EngineInfo, GatewayBusyError, PreprocessorName, RequestRefused
 from mmserve.wire import EngineCoreRequest
 
-from .engine_affinity import AffinityKeys, AffinityTable, EngineId, affinity_keys, choose_engine, home_engine
+from .affinity import AffinityKeys, AffinityTable, EngineId, affinity_keys, choose_engine, home_engine
 from .pending_images import PendingImages
 from .settings import RoutingSettings
 

@@ -13,7 +13,7 @@ import collections
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from .errors import PreprocessorBusyError
+from ..multimodal.errors import PreprocessorBusyError
 
 QUEUE_FULL_MESSAGE = "the image preprocessing queue is full; retry shortly"
 

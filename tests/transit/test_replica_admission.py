@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from mmserve.multimodal.errors import PreprocessorBusyError
-from mmserve.multimodal.replica_admission import QUEUE_FULL_MESSAGE, ReplicaAdmission
+from mmserve.transit.replica_admission import QUEUE_FULL_MESSAGE, ReplicaAdmission
 
 
 async def _hold(admission: ReplicaAdmission, name: str, order: list[str], release: asyncio.Event) -> None:

@@ -20,13 +20,12 @@ import itertools
 import logging
 from collections.abc import Callable
 
-from mmserve.zmq_link import LinkInbox, LinkOutbox
-
+from ..multimodal.types import ImageBatchRequest, ImagesRefused, ProcessedImages
+from .sockets import LinkInbox, LinkOutbox
 from .preprocessing_link import (
     AnswerError, AnswerHead, AskHeldJobs, CancelJobs, PixelsLost, PixelStore, PreprocessJob, ReleasePixels, decode_answer,
     decode_head, encode_message,
 )
-from .types import ImageBatchRequest, ImagesRefused, ProcessedImages
 
 logger = logging.getLogger("ray.serve")
 

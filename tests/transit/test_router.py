@@ -9,9 +9,9 @@ import pytest
 from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from mmserve.multimodal import ImageBatchRequest, PixelMode
 from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
-from mmserve.openai.engine_router import EngineRouter, NoEngineAliveError, PendingImages, ReplicaLostError, StaticEngines, refusal_error
+from mmserve.transit.router import EngineRouter, NoEngineAliveError, PendingImages, ReplicaLostError, StaticEngines, refusal_error
 from mmserve.openai.errors import openai_error
-from mmserve.protocol import EngineEvent, EngineInfo, GatewayBusyError, ImageRequest, PreprocessorName, RequestRefused
+from mmserve.transit.engine_link import EngineEvent, EngineInfo, GatewayBusyError, ImageRequest, PreprocessorName, RequestRefused
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
 from tests.support.defaults import routing_settings
 

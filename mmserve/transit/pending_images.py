@@ -8,10 +8,10 @@ preprocessor process them, their pixels coming to it through the object store.
 from __future__ import annotations
 
 from mmserve.multimodal import ImageBatchRequest
-from mmserve.protocol import ImageRequest, PreprocessorName
+from .engine_link import ImageRequest, PreprocessorName
 from mmserve.wire import EngineCoreRequest
 
-from .engine_affinity import image_key
+from .affinity import image_key
 
 
 class PendingImages:

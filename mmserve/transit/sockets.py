@@ -5,11 +5,11 @@ every engine step is one item per caller, i.e. one per token. A ZMQ message cost
 flows per request or per engine step travels over ZMQ, each way as single-frame messages from
 `LinkOutbox`es (PUSH) to one `LinkInbox` (PULL, bound on its node's address):
 - outputs: each caller binds an inbox and names it when it subscribes to an engine client, which
-  sends it `mmserve.protocol.OutputBatch`es; the Ray subscription stays open beside the link as
+  sends it `mmserve.transit.engine_link.OutputBatch`es; the Ray subscription stays open beside the link as
   its control channel (it names the engine-client replica sending, and its end says that replica
   is gone);
 - requests: each engine client binds an inbox too, named in the subscription's first batch, where
-  its callers send `mmserve.protocol.LinkRequest`s (text requests and aborts); the answers come back
+  its callers send `mmserve.transit.engine_link.LinkRequest`s (text requests and aborts); the answers come back
   in the output batches.
 
 Neither side knows what the bytes hold. Nothing is dropped: no high-water mark on either side (the

@@ -3,7 +3,7 @@
 Not vLLM's wire (that is `mmserve/wire`, which mirrors vLLM only). Each ingress replica subscribes
 once to each engine client (one long-lived Ray call, the control channel: its first item names the
 engine client's inbox, its end says the engine client is gone); everything else travels over ZMQ
-(`mmserve.zmq_link`): the replica sends its requests and aborts (`LinkRequest`) to the engine
+(`mmserve.transit.sockets`): the replica sends its requests and aborts (`LinkRequest`) to the engine
 client's inbox, and the engine client sends back `OutputBatch`es: the answers to those requests and
 the outputs of all the replica's requests since the previous batch, merged while the ingress lags.
 An image request names its images (URLs, data URIs included) and the preprocessor, which the engine
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import msgspec
 
-from .multimodal.types import ImageBatchRequest
-from .wire import EngineCoreOutput, EngineCoreRequest
+from ..multimodal.types import ImageBatchRequest
+from ..wire import EngineCoreOutput, EngineCoreRequest
 
 
 class PromptAccepted(msgspec.Struct, frozen=True):

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
-from .types import ImageBatchRequest, ImagesRefused, ProcessedImages
+from ..multimodal.types import ImageBatchRequest, ImagesRefused, ProcessedImages
 
 # Arrays this large or larger go through the pixel store; smaller ones inside the answer (the engine's
 # socket copies anything smaller than this, as pyzmq does: `mmserve/engine/transport.py`).

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from mmserve.engine import EngineDeadError
-from mmserve.openai.engine_outputs import OutputDemux
-from mmserve.openai.engine_router import ReplicaLostError
-from mmserve.protocol import AddAnswer, Admission, OutputBatch, PromptAccepted, RequestFailed
+from mmserve.transit.engine_outputs import OutputDemux
+from mmserve.transit.router import ReplicaLostError
+from mmserve.transit.engine_link import AddAnswer, Admission, OutputBatch, PromptAccepted, RequestFailed
 from mmserve.wire import EngineCoreOutput, FinishReason
 
 

@@ -1,7 +1,7 @@
 """The ingress end of an engine client's output stream: each batch's outputs handed to their requests.
 
 An ingress replica receives the outputs of all its requests on one engine client as one stream of
-`OutputBatch`es (`mmserve.protocol`). `OutputDemux` hands each output to its request's
+`OutputBatch`es (`mmserve.transit.engine_link`). `OutputDemux` hands each output to its request's
 `RequestOutputs`, which merges while its consumer lags (vLLM's `RequestOutputCollector`): a slow
 consumer takes everything that arrived at once, never one queue item per token. The answers to
 requests come in the same batches, and go to their requests the same way.
@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 
 from mmserve.engine import EngineDeadError
-from mmserve.protocol import AddAnswer, OutputBatch
+from .engine_link import AddAnswer, OutputBatch
 from mmserve.wire import EngineCoreOutput
 
-from .engine_router import ReplicaLostError
+from .router import ReplicaLostError
 
 # Streams whose batch numbers are remembered (one per `subscribe` call: a new one each time this
 # replica subscribes again).

@@ -23,12 +23,11 @@ from typing import Any
 import msgspec
 import zmq
 
-from mmserve.zmq_link import LinkInbox, LinkOutbox
-
+from ..multimodal.types import ImageBatchRequest, ImagesRefused, ProcessedImages
+from .sockets import LinkInbox, LinkOutbox
 from .preprocessing_link import (
     AskHeldJobs, CancelJobs, PixelStore, PreprocessJob, ReleasePixels, decode_message, encode_answer, encode_not_held,
 )
-from .types import ImageBatchRequest, ImagesRefused, ProcessedImages
 
 logger = logging.getLogger("ray.serve")
 

@@ -8,8 +8,8 @@ import pytest
 from mmserve.multimodal import ImageBatchRequest
 from mmserve.multimodal.types import PixelMode
 from mmserve.openai.parallel_sampling import child_request
-from mmserve.openai.pending_images import PendingImages
-from mmserve.protocol import ImageRequest, PreprocessorName
+from mmserve.transit.pending_images import PendingImages
+from mmserve.transit.engine_link import ImageRequest, PreprocessorName
 from mmserve.wire import SamplingParams
 
 NAME = PreprocessorName("app", "Preprocessor", "v1")

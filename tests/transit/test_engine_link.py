@@ -1,4 +1,4 @@
-"""The gateway's own protocol on the ZMQ link (`mmserve.protocol`): what an ingress replica sends comes out as it went in, and what cannot be read still names who waits for its answer."""
+"""The gateway's own protocol on the ZMQ link (`mmserve.transit.engine_link`): what an ingress replica sends comes out as it went in, and what cannot be read still names who waits for its answer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from mmserve.multimodal import ImageBatchRequest
 from mmserve.multimodal.types import PixelMode
-from mmserve.protocol import (
+from mmserve.transit.engine_link import (
     AbortRequests, ImageRequest, PreprocessorName, TextRequest, decode_link_request, encode, unreadable_request_sender,
 )
 from mmserve.wire import EngineCoreRequest, SamplingParams, StructuredOutputsParams

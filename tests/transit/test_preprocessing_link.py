@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from mmserve.multimodal import ImageBatchRequest, ImageField, ImagesRefused, ProcessedImage, ProcessedImages
-from mmserve.multimodal.preprocessing_client import NoReplicaAttached, PreprocessingInbox, PreprocessorReplicas, ReplicaLost
-from mmserve.multimodal.preprocessing_link import (
+from mmserve.transit.preprocessing_client import NoReplicaAttached, PreprocessingInbox, PreprocessorReplicas, ReplicaLost
+from mmserve.transit.preprocessing_link import (
     STORE_MIN_BYTES, AnswerError, PixelsLost, decode_answer, decode_head, encode_answer,
 )
-from mmserve.multimodal.preprocessing_server import PreprocessingServer
+from mmserve.transit.preprocessing_server import PreprocessingServer
 from mmserve.multimodal.types import PixelMode
-from mmserve.zmq_link import LinkOutbox
+from mmserve.transit.sockets import LinkOutbox
 
 HOST = "127.0.0.1"
 
@@ -242,7 +242,7 @@ def test_a_detached_senders_jobs_are_cancelled_and_its_later_jobs_dropped():
 
 
 def test_an_answer_for_a_sender_whose_inbox_is_gone_is_dropped_not_kept(monkeypatch, caplog):
-    import mmserve.multimodal.preprocessing_server as server_module
+    import mmserve.transit.preprocessing_server as server_module
 
     monkeypatch.setattr(server_module, "UNDELIVERED_TRIES", 4)
 
@@ -290,7 +290,7 @@ def test_a_job_the_replica_does_not_hold_fails_as_lost_and_one_it_holds_waits_on
 
 def test_a_job_the_replica_is_still_delivering_counts_as_held():
     """An answer waiting for its sender's inbox to be connected again (`UNDELIVERED_TRIES`) is not lost yet."""
-    from mmserve.multimodal.preprocessing_link import AskHeldJobs, encode_message
+    from mmserve.transit.preprocessing_link import AskHeldJobs, encode_message
 
     async def scenario():
         inbox = PreprocessingInbox(HOST, MemoryStore())

@@ -9,11 +9,11 @@ import pytest
 
 from mmserve.engine import EngineDeadError
 from mmserve.multimodal import ImageBatchRequest, PixelMode
-from mmserve.openai.engine_affinity import (
+from mmserve.transit.affinity import (
     PREFIX_BLOCK_TOKENS, AffinityKeys, AffinityTable, affinity_keys, choose_engine, home_engine, image_key,
 )
-from mmserve.openai.engine_router import EngineRouter, PendingImages, StaticEngines
-from mmserve.protocol import EngineEvent, EngineInfo
+from mmserve.transit.router import EngineRouter, PendingImages, StaticEngines
+from mmserve.transit.engine_link import EngineEvent, EngineInfo
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
 from tests.support.defaults import routing_settings
 
@@ -287,7 +287,7 @@ def test_affinity_off_is_least_loaded_only():
 
 
 def test_long_image_references_are_keyed_by_a_sample_that_still_tells_images_apart():
-    from mmserve.openai.engine_affinity import IMAGE_KEY_FULL_CHARS, image_key
+    from mmserve.transit.affinity import IMAGE_KEY_FULL_CHARS, image_key
     from tests.support.images import image_uri
 
     a, b = image_uri(640, 480, seed=1), image_uri(640, 480, seed=2)
