@@ -63,7 +63,7 @@ async def relay(channel: CallerChannel, outbox: LinkOutbox) -> None:
     """`EngineClientDeployment.subscribe`'s loop after its first item."""
     while True:
         outputs, failures, _ = await channel.take()
-        outbox.send_nowait(encode(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures])))
+        outbox.send(OutputBatch(outputs, [RequestFailed(rid, why) for rid, why in failures]), encode)
 
 
 def thread_cpu_ns() -> dict[str, int]:

@@ -20,7 +20,6 @@ come through Ray's object store and go on to the engine uncopied.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import time
@@ -33,11 +32,13 @@ from ray import serve
 from mmserve.engine import EngineDeadError, EngineNotReadyError
 from mmserve.engine.outputs import CallerChannel
 from mmserve.engine.frame_diagnostics import FrameTrace
-from mmserve.transit.sockets import LinkInbox, LinkOutbox
+from mmserve.transit.sockets import Arrivals, LinkInbox, LinkOutbox
 from mmserve.transit.engine_link import (
-    AbortRequests, AddAnswer, Admission, EngineInfo, ImageRequest, OutputBatch, RequestFailed, RequestRefused, TextRequest,
+    AbortRequests, AddAnswer, Admission, EngineInfo, ImageRequest, OutputBatch, Probe, RequestFailed, TextRequest,
     decode_link_request, encode, unreadable_request_sender,
 )
+
+from mmserve.transit.refusals import Refusal
 
 from .caller_watch import CallerWatch
 from .engine_client_server import EngineClientServer, EngineClientSettings
@@ -90,6 +91,9 @@ class EngineClientDeployment:
         RayletWatch(lambda: self._node_lost_from_thread(loop)).start()
         self._inbox = LinkInbox(node_ip(), name="engine-client-inbox")
         self._link_tasks: set[asyncio.Task[None]] = set()
+        # The numbers of each caller's messages (a loss found by them), and the callers to be told of one.
+        self._arrivals = Arrivals()
+        self._lost: set[str] = set()
         self._requests_received = 0
         self._image_requests_received = 0
         self._images = LinkImages(
@@ -146,13 +150,14 @@ class EngineClientDeployment:
             previous.cancel()  # one stream per caller: the newest
         self._subscribers[caller] = task
         outbox = LinkOutbox(inbox)
-        stream = int.from_bytes(os.urandom(6), "big")
         try:
             yield encode(OutputBatch(replica=self.replica, requests_address=self._inbox.address))
-            for seq in itertools.count(1):
+            while True:
                 outputs, failures, answers = await channel.take()
                 failed = [RequestFailed(rid, why) for rid, why in failures]
-                outbox.send_nowait(encode(OutputBatch(outputs, failed, answers, stream=stream, seq=seq)))
+                lost = caller in self._lost
+                self._lost.discard(caller)
+                outbox.send(OutputBatch(outputs, failed, answers, lost=lost), encode)
         finally:
             outbox.close()
             if self._subscribers.get(caller) is task:
@@ -167,7 +172,7 @@ class EngineClientDeployment:
         channel = self._channel(caller)
         request_id = request.request_id
         if not channel.track(request_id):
-            return Admission(refused=RequestRefused("cancelled", "the caller aborted the request before it arrived"))
+            return Admission(refused=Refusal("cancelled", "the caller aborted the request before it arrived"))
         try:
             images = reprocess = None
             if isinstance(message, ImageRequest):
@@ -175,7 +180,7 @@ class EngineClientDeployment:
                 if refused is None:
                     images = await self._images.process(message)
                     if images is None or self._channels.get(caller) is not channel or request_id not in channel.request_ids:
-                        refused = RequestRefused("cancelled", "the caller aborted the request while its images were processed")
+                        refused = Refusal("cancelled", "the caller aborted the request while its images were processed")
                 if refused is not None:
                     channel.untrack(request_id)
                     return Admission(refused=refused)
@@ -201,9 +206,10 @@ class EngineClientDeployment:
         await self.server.client.abort_quietly(message.request_ids)
 
     async def _read_link(self) -> None:
-        """Requests and aborts from the callers, over ZMQ (`mmserve.transit.engine_link.LinkRequest`),
+        """Requests, aborts and probes from the callers, over ZMQ (`mmserve.transit.engine_link.LinkRequest`),
         each handled as its own task, in arrival order: an abort that follows its request finds it
-        tracked (or makes the request abort itself once sent, see `_add`)."""
+        tracked (or makes the request abort itself once sent, see `_add`). A message found lost before
+        one fails every request of its caller's (`_requests_lost`)."""
         while True:
             data = await self._inbox.recv()
             try:
@@ -211,8 +217,13 @@ class EngineClientDeployment:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 logger.warning("engine client: an unreadable message on its request link (%d bytes): %s", len(data), exc)
                 if (sender := unreadable_request_sender(data)) is not None and (channel := self._channels.get(sender[0])) is not None:
-                    refused = RequestRefused("internal", f"the engine client could not read the request: {exc}")
+                    refused = Refusal("internal", f"the engine client could not read the request: {exc}")
                     channel.answer(AddAnswer(sender[1], Admission(refused=refused)))
+                continue
+            if self._arrivals.lost(message.caller, message):
+                await self._requests_lost(message.caller)
+            if isinstance(message, Probe):
+                self._channel(message.caller).wake()  # (its answer: the next batch, numbered)
                 continue
             if isinstance(message, AbortRequests):
                 task = asyncio.get_running_loop().create_task(self._abort(message))
@@ -228,17 +239,31 @@ class EngineClientDeployment:
         try:
             admission = await self._add(message)
         except EngineDeadError as exc:
-            admission = Admission(refused=RequestRefused("dead", str(exc)))
+            admission = Admission(refused=Refusal("dead", str(exc)))
         except EngineNotReadyError as exc:
-            admission = Admission(refused=RequestRefused("not_ready", str(exc)))
+            admission = Admission(refused=Refusal("not_ready", str(exc)))
         except Exception as exc:
             logger.exception("engine client: request %s failed", request_id)
-            admission = Admission(refused=RequestRefused("internal", f"{type(exc).__name__}: {exc}"))
+            admission = Admission(refused=Refusal("internal", f"{type(exc).__name__}: {exc}"))
         if (channel := self._channels.get(message.caller)) is not None:
             channel.answer(AddAnswer(request_id, admission))
 
+    async def _requests_lost(self, caller: str) -> None:
+        """Messages from `caller` were lost on the way: a request, or an abort, of its may be among
+        them. Every request of its here is aborted, and it is told (`OutputBatch.lost`), failing them all."""
+        channel = self._channel(caller)
+        request_ids = list(channel.request_ids)
+        logger.warning("engine client: messages from %s were lost on the way: aborting its %d requests", caller, len(request_ids))
+        channel.aborted(request_ids)
+        self._images.cancel_caller(caller)
+        await self.server.client.abort_quietly(request_ids)
+        self._lost.add(caller)
+        channel.wake()
+
     async def _drop_caller(self, caller: str) -> None:
         self._callers.unwatch(caller)
+        self._arrivals.forget(caller)
+        self._lost.discard(caller)
         self._images.cancel_caller(caller)
         channel = self._channels.pop(caller, None)
         if channel is not None and channel.request_ids:

@@ -24,15 +24,14 @@ from mmserve.engine import (
 from mmserve.engine.mm_adds import Refill
 from mmserve.engine.outputs import OutputSink
 from mmserve.engine.mm_cache import EngineCacheSettings
-from mmserve.multimodal import ImagesRefused, PlaceholderMismatch, ProcessedImages, attach_images
-from mmserve.transit.engine_link import Admission, EngineInfo, PromptAccepted, RequestRefused
+from mmserve.multimodal import PlaceholderMismatch, ProcessedImages, attach_images
+from mmserve.transit.engine_link import Admission, EngineInfo, PromptAccepted
+from mmserve.transit.refusals import Refusal
 from mmserve.wire import EngineCoreRequest
 
 logger = logging.getLogger("ray.serve")
-# The preprocessor's `ImagesRefused.kind` → the `RequestRefused.kind` the ingress maps to HTTP.
-_IMAGE_REFUSALS = {"invalid": "image", "too_large": "image_too_large", "busy": "busy"}
 # A request's images processed anew (by the preprocessor that processed them first).
-Reprocess: TypeAlias = Callable[[], Awaitable[ProcessedImages | ImagesRefused]]
+Reprocess: TypeAlias = Callable[[], Awaitable[ProcessedImages | Refusal]]
 
 
 @dataclass(frozen=True)
@@ -204,19 +203,19 @@ class EngineClientServer:
             await client.close()
 
     async def add(
-        self, request: EngineCoreRequest, images: ProcessedImages | ImagesRefused | None, sink: OutputSink,
+        self, request: EngineCoreRequest, images: ProcessedImages | Refusal | None, sink: OutputSink,
         reprocess: Reprocess | None = None,
     ) -> Admission:
         """Send the request to the engine; its outputs go to `sink`. With images (mapped from the
         object store where the preprocessor wrote them), expand their placeholders first and
         announce the final prompt. Client-caused refusals are answers, not exceptions (see
-        `RequestRefused`). Images recalled without pixels (`RecentImages`) go by hash only, and
+        `Refusal`). Images recalled without pixels (`RecentImages`) go by hash only, and
         `reprocess` gets their pixels if the engine turns out not to hold them."""
         ready = await self.client.wait_ready(self.config.engine_wait_timeout_s)
         if (refused := self.overloaded()) is not None:
             return Admission(refused=refused)
-        if isinstance(images, ImagesRefused):
-            return _images_refused(images)
+        if isinstance(images, Refusal):
+            return Admission(refused=images)
         accepted = refill = None
         try:
             if images is not None:
@@ -230,19 +229,19 @@ class EngineClientServer:
                     refill = _refill(unexpanded, request, reprocess, ready.max_model_len)
             await self.client.add(request, sink, refill)
         except PlaceholderMismatch as exc:
-            return Admission(refused=RequestRefused("invalid", str(exc), "messages"))
+            return Admission(refused=Refusal("invalid", str(exc), "messages"))
         except _RefillRefused as exc:
-            return _images_refused(exc.refusal)
+            return Admission(refused=exc.refusal)
         except InvalidRequestError as exc:
-            return Admission(refused=RequestRefused("invalid", str(exc), exc.param))
+            return Admission(refused=Refusal("invalid", str(exc), exc.param))
         return Admission(accepted=accepted)
 
-    def overloaded(self) -> RequestRefused | None:
+    def overloaded(self) -> Refusal | None:
         """The refusal of a request now, if the engine holds `max_in_flight` requests already (checked
         again by `add`; before it, by whoever would process images for nothing)."""
         limit = self.config.max_in_flight
         if self.client.num_in_flight >= limit:
-            return RequestRefused("overloaded", f"the engine has {limit} requests in flight; retry shortly")
+            return Refusal("overloaded", f"the engine has {limit} requests in flight; retry shortly")
         return None
 
     async def info(self) -> EngineInfo:
@@ -323,14 +322,9 @@ class EngineClientServer:
 class _RefillRefused(EngineError):
     """The preprocessor refused to process anew images a request was sent with by hash only."""
 
-    def __init__(self, refusal: ImagesRefused) -> None:
+    def __init__(self, refusal: Refusal) -> None:
         super().__init__(f"the request's images could not be processed again: {refusal.message}")
         self.refusal = refusal
-
-
-def _images_refused(images: ImagesRefused) -> Admission:
-    kind = _IMAGE_REFUSALS[images.kind]
-    return Admission(refused=RequestRefused(kind, images.message, "messages", images.retry_after_s))
 
 
 def _refill(unexpanded: EngineCoreRequest, sent: EngineCoreRequest, reprocess: Reprocess, max_model_len: int) -> Refill:
@@ -339,7 +333,7 @@ def _refill(unexpanded: EngineCoreRequest, sent: EngineCoreRequest, reprocess: R
 
     async def refill() -> EngineCoreRequest:
         images = await reprocess()
-        if isinstance(images, ImagesRefused):
+        if isinstance(images, Refusal):
             raise _RefillRefused(images)
         request = admit(attach_images(unexpanded, images), max_model_len)
         same_images = [f.mm_hash for f in request.mm_features or []] == [f.mm_hash for f in sent.mm_features or []]

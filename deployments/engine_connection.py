@@ -11,16 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from mmserve.transit.sockets import LinkInbox, LinkOutbox
+from mmserve.transit.engine_link import AbortRequests, EngineEvent, EngineInfo, Probe, TextRequest, decode_output_batch, encode
 from mmserve.transit.engine_outputs import OutputDemux, RequestOutputs
-from mmserve.transit.router import ReplicaLostError
 from mmserve.transit.pending_images import PendingImages
-from mmserve.transit.engine_link import AbortRequests, EngineEvent, EngineInfo, GatewayBusyError, TextRequest, decode_output_batch, encode
+from mmserve.transit.refusals import GatewayBusyError, LinkLost
+from mmserve.transit.sockets import LINK_PROBE_S, LinkInbox, LinkOutbox
 from mmserve.wire import EngineCoreRequest
 
 from .ray_errors import describe, innermost_cause
@@ -63,7 +64,7 @@ class HandleEngineConnection:
         return await self.unless_gone(_own_request(self.handle.info, engine=self.engine))
 
     async def unless_gone(self, response: DeploymentResponse | Awaitable[Any]) -> Any:
-        """`response`'s result; given up (ReplicaLostError) once this engine is found gone."""
+        """`response`'s result; given up (LinkLost) once this engine is found gone."""
         if self.gone is None:
             return await response
         call = asyncio.ensure_future(response)
@@ -74,7 +75,7 @@ class HandleEngineConnection:
                 return call.result()
             if isinstance(response, DeploymentResponse):
                 response.cancel()
-            raise ReplicaLostError("its engine application is being deleted")
+            raise LinkLost("its engine application is being deleted")
         finally:
             # Given up, answered, or this caller was cancelled: nothing awaits either any more.
             call.cancel()
@@ -103,7 +104,7 @@ class HandleEngineConnection:
         """Fire and forget: the request is given up here whatever the engine client answers. With
         no link open, the engine client's subscription has ended, and with it the requests it held."""
         if self.link is not None:
-            self.link.send_nowait(encode(AbortRequests(self.caller, [request_id])))
+            self.link.send(AbortRequests(self.caller, [request_id]), encode)
 
     async def _read_outputs(self) -> None:
         """Follow the engine client's outputs for this replica, for the replica's life: batches
@@ -112,6 +113,7 @@ class HandleEngineConnection:
         carried fail and this subscribes again."""
         inbox = LinkInbox(node_ip())
         receiver = asyncio.get_running_loop().create_task(self._receive(inbox), name="engine-output-inbox")
+        prober = asyncio.get_running_loop().create_task(self._probe(), name="engine-link-probe")
         try:
             while True:
                 try:
@@ -124,14 +126,14 @@ class HandleEngineConnection:
                             self._close_link()
                             self.link = LinkOutbox(first.requests_address)
                             self._link_open.set()
-                    error = ReplicaLostError("the engine client ended its output stream")
+                    error = LinkLost("the engine client ended its output stream")
                 except asyncio.CancelledError:
                     # Closed: end the call itself too, or the engine client would count it as
                     # ongoing, and Serve would wait for it before stopping a drained replica.
                     subscription.cancel()
                     raise
                 except Exception as exc:
-                    error = ReplicaLostError(describe(innermost_cause(exc)))
+                    error = LinkLost(describe(innermost_cause(exc)))
                 self._close_link()
                 if len(self.demux):
                     logger.warning("engine client output stream lost: %s", error)
@@ -140,6 +142,7 @@ class HandleEngineConnection:
         finally:
             self._close_link()
             receiver.cancel()
+            prober.cancel()
             inbox.close()
 
     def _close_link(self) -> None:
@@ -147,6 +150,15 @@ class HandleEngineConnection:
         if self.link is not None:
             self.link.close()
             self.link = None
+
+    async def _probe(self) -> None:
+        """With requests in flight and nothing heard for `LINK_PROBE_S`, ask the engine client for a
+        batch: its number shows whether one was lost (`OutputDemux.dispatch`), and the probe's own,
+        at the engine client, whether a request was."""
+        while True:
+            await asyncio.sleep(LINK_PROBE_S)
+            if len(self.demux) and self.link is not None and time.monotonic() - self.demux.heard_at >= LINK_PROBE_S:
+                self.link.send(Probe(self.caller), encode)
 
     async def _receive(self, inbox: LinkInbox) -> None:
         while True:
@@ -157,7 +169,7 @@ class HandleEngineConnection:
             self._reader.cancel()
         self._close_link()
         # Requests still waiting for outputs from here would wait forever.
-        self.demux.lost(ReplicaLostError("the ingress closed its connection to this engine client"))
+        self.demux.lost(LinkLost("the ingress closed its connection to this engine client"))
 
 
 class HandleEngineCall:
@@ -199,7 +211,7 @@ class HandleEngineCall:
             message = TextRequest(connection.caller, self.request)
         else:
             message = self.images.message(connection.caller, self.request)
-        link.send_nowait(encode(message))
+        link.send(message, encode)
         self._held = True  # until the answer says otherwise
         outputs.awaiting_answer = True
         # If its answer never comes (the stream ended, the engine is gone, or this caller was

@@ -13,15 +13,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
-from mmserve.multimodal import ImagesRefused, ProcessedImages
+from mmserve.multimodal import ProcessedImages
 from mmserve.multimodal.recent_images import RecentImages
 from mmserve.transit.engine_link import ImageRequest
+from mmserve.transit.refusals import Refusal
 
 from .engine_client_server import Reprocess
 from .pixel_store import RayPixelStore
 from .preprocessor_calls import PreprocessorCalls
 
-Answer = ProcessedImages | ImagesRefused
+Answer = ProcessedImages | Refusal
 
 
 class _Shared:

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from mmserve.transit.preprocessing_link import PixelsLost
+from mmserve.transit.refusals import LinkLost
 
 from .ray_errors import describe
 
@@ -65,4 +65,4 @@ class RayPixelStore:
         try:
             return await ref
         except ray.exceptions.RayError as exc:  # freed (released, or held too long), or its owner died
-            raise PixelsLost(describe(exc)) from None
+            raise LinkLost(describe(exc)) from None

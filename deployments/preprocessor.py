@@ -20,11 +20,12 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from mmserve.fetch import FetchPolicy
-from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages, load_image_family
-from mmserve.multimodal.errors import ImageInputError, PreprocessorBusyError, images_refused
+from mmserve.multimodal import ImageBatchRequest, ProcessedImages, load_image_family
+from mmserve.multimodal.errors import ImageInputError, PreprocessorBusyError
+from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
 from mmserve.transit.preprocessing_link import PreprocessorHello
 from mmserve.transit.preprocessing_server import PreprocessingServer
-from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
+from mmserve.transit.refusals import Refusal, refusal_of
 from mmserve.transit.replica_admission import ReplicaAdmission
 from mmserve.vision import resize_path, warm_up_resize
 
@@ -144,14 +145,14 @@ class PreprocessorDeployment:
         """Serve's custom autoscaling metric (`preprocessor_autoscaling.py`)."""
         return {PREPROCESSOR_REQUESTS_METRIC: float(self.admission.load)}
 
-    async def _answer(self, request: ImageBatchRequest) -> ProcessedImages | ImagesRefused:
+    async def _answer(self, request: ImageBatchRequest) -> ProcessedImages | Refusal:
         """A refusal is an answer, not a failure: one INFO line here, a 400, 413 or 503 for the client."""
         try:
             async with self.admission.admitted():
                 return await self.preprocessor.process(request)
         except (ImageInputError, PreprocessorBusyError) as exc:
             logger.info("image refused: %s", str(exc)[:300])
-            return images_refused(exc)
+            return refusal_of(exc)
 
     async def __del__(self) -> None:
         self.link.close()

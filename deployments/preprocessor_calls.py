@@ -17,10 +17,11 @@ from collections.abc import Callable
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages
-from mmserve.transit.preprocessing_client import NoReplicaAttached, PreprocessingInbox, PreprocessorReplicas, ReplicaLost
-from mmserve.transit.preprocessing_link import PixelStore
+from mmserve.multimodal import ImageBatchRequest, ProcessedImages
 from mmserve.transit.engine_link import PreprocessorName
+from mmserve.transit.preprocessing_client import PreprocessingInbox, PreprocessorReplicas
+from mmserve.transit.preprocessing_link import PixelStore
+from mmserve.transit.refusals import LinkLost, Refusal
 
 from .engine_pool_members import pool_members, watch_members
 from .ray_errors import describe, innermost_cause
@@ -106,11 +107,10 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) ->
 
 class PreprocessorCalls:
     """An engine client's calls to the preprocessors its callers name (`ImageRequest.preprocessor`):
-    the processed images, or why there are none, as the preprocessor itself answers a refusal
-    (`ImagesRefused`). A request waits up to `attach_timeout_s` for a replica to be attached; a
-    replica lost under it is tried again once; a second loss, or no replica attached in time, is
-    "busy" (the client retries shortly). Answers arrive at one inbox bound on `host`, their pixels
-    read from `store`."""
+    the processed images, or why there are none, as the preprocessor itself answers a refusal. A
+    request waits up to `attach_timeout_s` for a replica to be attached ("busy" if none is); a job
+    lost on the way, or with its replica, is tried again once, and refused "lost" if lost again.
+    Answers arrive at one inbox bound on `host`, their pixels read from `store`."""
 
     def __init__(self, host: str, store: PixelStore, attach_timeout_s: float) -> None:
         self._host = host
@@ -122,28 +122,17 @@ class PreprocessorCalls:
         # Jobs sent (`EngineInfo.preprocessing_jobs`).
         self.jobs = 0
 
-    async def process(self, request: ImageBatchRequest, name: PreprocessorName) -> ProcessedImages | ImagesRefused:
+    async def process(self, request: ImageBatchRequest, name: PreprocessorName) -> ProcessedImages | Refusal:
         replicas = self._links_of(name).replicas
-        attempt = 0
-        while True:
+        for attempt in range(1, PREPROCESSING_TRIES + 1):
+            self.jobs += 1
             try:
-                await asyncio.wait_for(replicas.attached(), self._attach_timeout_s)
-            except TimeoutError:
-                return ImagesRefused(
-                    f"no image preprocessor replica could be reached within {self._attach_timeout_s:.0f} s; retry shortly",
-                    kind="busy", retry_after_s=1,
-                )
-            try:
-                self.jobs += 1
-                return await replicas.process(request)
-            except NoReplicaAttached:
-                self.jobs -= 1
-                continue  # (the last one left as this request came: wait for the next)
-            except ReplicaLost as exc:
-                attempt += 1
+                return await replicas.process(request, self._attach_timeout_s)
+            except LinkLost as exc:
                 if attempt == PREPROCESSING_TRIES:
-                    return ImagesRefused(f"image preprocessing failed: {exc}; retry shortly", kind="busy", retry_after_s=1)
+                    return Refusal("lost", f"image preprocessing failed: {exc}; retry shortly", retry_after_s=1)
                 logger.warning("image preprocessing failed (%s): trying once more", exc)
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         for links in self._links.values():

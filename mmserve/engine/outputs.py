@@ -87,6 +87,7 @@ class CallerChannel(Generic[AnswerT]):
         self.request_ids: set[str] = set()
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._ready = asyncio.Event()
+        self._woken = False
 
     # The engine client's sink interface (`client.OutputSink`).
     def put(self, output: EngineCoreOutput) -> None:
@@ -127,16 +128,22 @@ class CallerChannel(Generic[AnswerT]):
                 if len(self._aborted) > ABORTED_IDS_REMEMBERED:
                     self._aborted.popitem(last=False)
 
+    def wake(self) -> None:
+        """Have the caller take what there is now, nothing included (it asked whether it is heard)."""
+        self._woken = True
+        self._ready.set()
+
     @property
     def pending(self) -> bool:
         """Whether anything waits for the caller."""
-        return bool(self.outputs or self.failures or self.answers)
+        return bool(self.outputs or self.failures or self.answers or self._woken)
 
     async def take(self) -> Taken[AnswerT]:
-        """Everything that arrived since the last call (waits until something has)."""
+        """Everything that arrived since the last call (waits until something has, or `wake`)."""
         while not self.pending:
             self._ready.clear()
             await self._ready.wait()
         taken = Taken(self.outputs, self.failures, self.answers)
         self.outputs, self.failures, self.answers = [], [], []
+        self._woken = False
         return taken

@@ -1,16 +1,12 @@
-"""Errors about a request's images, and the refusal each becomes: the client's mistake (400), a
-request too large for a preprocessor replica (413), or a replica busy with other images (503)."""
+"""Errors about a request's images: the client's mistake (400), a request too large for a
+preprocessor replica (413), or a replica busy with other images (503); the preprocessor answers each
+as a refusal (`mmserve/transit/refusals.py`)."""
 
 from __future__ import annotations
-
-from .types import ImagesRefused
 
 
 class ImageInputError(ValueError):
     """An image could not be used: unreachable, refused by policy, not an image, over a limit."""
-
-    # The `ImagesRefused.kind` this error becomes.
-    refusal_kind = "invalid"
 
     def __init__(self, message: str, *, index: int | None = None) -> None:
         prefix = f"image {index + 1}: " if index is not None else ""
@@ -22,8 +18,6 @@ class ImagesTooLargeError(ImageInputError):
     """The request needs more pixels decoded at once than a preprocessor replica ever holds: it
     would be refused whenever it came, so it is not a 503 but a 413."""
 
-    refusal_kind = "too_large"
-
 
 class PreprocessorBusyError(Exception):
     """The replica's pixel budget is taken by other requests' images: retry shortly (503)."""
@@ -31,10 +25,3 @@ class PreprocessorBusyError(Exception):
     def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-def images_refused(exc: ImageInputError | PreprocessorBusyError) -> ImagesRefused:
-    """What the preprocessor returns for `exc` (refusals are returned, not raised: see `ImagesRefused`)."""
-    if isinstance(exc, PreprocessorBusyError):
-        return ImagesRefused(str(exc), kind="busy", retry_after_s=exc.retry_after_s)
-    return ImagesRefused(str(exc), exc.index, kind=exc.refusal_kind)

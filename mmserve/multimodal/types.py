@@ -60,23 +60,6 @@ class ProcessedImage(msgspec.Struct, frozen=True):
     height: int
 
 
-class ImagesRefused(msgspec.Struct, frozen=True):
-    """The preprocessor's answer when it will not process a request's images: returned, not
-    raised, so that no replica logs a client's error as its own failure (an exception crossing a
-    Ray call is logged with a traceback).
-
-    `kind`: "invalid", an image is the client's mistake (unreachable, not an image, over a
-    limit); "too_large", the request needs more pixels decoded at once than a replica ever holds
-    (`images.max_pixels_in_flight`); "busy", the replica's pixel budget is taken by other
-    requests for now, retry after `retry_after_s`.
-    """
-
-    message: str
-    index: int | None = None
-    kind: Literal["invalid", "too_large", "busy"] = "invalid"
-    retry_after_s: int | None = None
-
-
 class ProcessedImages(msgspec.Struct, frozen=True):
     """The preprocessor's answer for one request."""
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
-from mmserve.transit.engine_link import GatewayBusyError
+from mmserve.transit.refusals import GatewayBusyError
 
 from mmserve.transit.router import NoEngineAliveError
 from .protocol import ErrorInfo, ErrorResponse

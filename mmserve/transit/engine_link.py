@@ -9,7 +9,9 @@ the outputs of all the replica's requests since the previous batch, merged while
 An image request names its images (URLs, data URIs included) and the preprocessor, which the engine
 client has process them itself, so the pixels come to it through the object store, never through
 the ingress or the link. So Ray carries no call per request, and nothing per token. Everything is
-msgpack-encoded.
+msgpack-encoded, and numbered on its link (`sockets.LinkMessage`): a message lost either way fails
+what the ingress replica has in flight on that engine client (the engine client aborts it, and says
+so: `OutputBatch.lost`); an ingress replica that waits with nothing heard probes (`Probe`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import msgspec
 
 from ..multimodal.types import ImageBatchRequest
 from ..wire import EngineCoreOutput, EngineCoreRequest
+from .refusals import Refusal
+from .sockets import LinkMessage
 
 
 class PromptAccepted(msgspec.Struct, frozen=True):
@@ -31,27 +35,12 @@ class PromptAccepted(msgspec.Struct, frozen=True):
     preprocess_ms: float | None = 0.0
 
 
-class RequestRefused(msgspec.Struct, frozen=True):
-    """Why the engine client did not send a request to its engine. For the client's reasons: a bad
-    image ("image"), images needing more pixels decoded at once than a preprocessor replica holds
-    ("image_too_large"), a prompt the engine guard refuses ("invalid"), the engine full
-    ("overloaded"), a preprocessor replica busy with other images ("busy", retry after
-    `retry_after_s`), the caller's own abort ("cancelled"). For the engine's: it died ("dead"), it is
-    not ready ("not_ready"), or the engine client failed ("internal", logged there). An answer, not a
-    raise: the engine client logs nothing for the client's mistakes."""
-
-    kind: str
-    message: str
-    param: str | None = None
-    retry_after_s: int | None = None
-
-
 class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
     """A request's admission: it is with the engine (`accepted` for image requests, whose prompt
     grew), or it was refused (and nothing reached the engine)."""
 
     accepted: PromptAccepted | None = None
-    refused: RequestRefused | None = None
+    refused: Refusal | None = None
 
 
 class RequestFailed(msgspec.Struct, frozen=True):
@@ -68,25 +57,23 @@ class AddAnswer(msgspec.Struct, frozen=True):
     admission: Admission
 
 
-class OutputBatch(msgspec.Struct, frozen=True, omit_defaults=True):
+class OutputBatch(LinkMessage, frozen=True, omit_defaults=True):
     """One message of an ingress replica's output stream from one engine client: its requests'
-    outputs in arrival order, its requests that failed, and the answers to its requests. The
-    `subscribe` call's one item is empty except for `replica`, which names the engine-client replica
-    sending the stream, and `requests_address`, that replica's inbox for `LinkRequest`s."""
+    outputs in arrival order, its requests that failed, and the answers to its requests; `lost`:
+    messages from the ingress replica were lost on the way, and the engine client aborted every
+    request of its. The `subscribe` call's one item is empty except for `replica`, which names the
+    engine-client replica sending the stream, and `requests_address`, that replica's inbox for
+    `LinkRequest`s."""
 
     outputs: list[EngineCoreOutput] = []
     failures: list[RequestFailed] = []
     answers: list[AddAnswer] = []
     replica: str | None = None
     requests_address: str | None = None
-    # Which `subscribe` call's stream this batch is of (a random number per call), and its number
-    # there, from 1 (0: the call's first item). A number skipped is a batch lost: a broken
-    # connection, which ZMQ remakes, loses what was on its way.
-    stream: int = 0
-    seq: int = 0
+    lost: bool = False
 
 
-class TextRequest(msgspec.Struct, frozen=True, tag="add"):
+class TextRequest(LinkMessage, frozen=True, tag="add"):
     """A request without images: answered by an `AddAnswer` in the caller's output batches."""
 
     caller: str
@@ -102,7 +89,7 @@ class PreprocessorName(msgspec.Struct, frozen=True):
     version: str = ""
 
 
-class ImageRequest(msgspec.Struct, frozen=True, tag="add_images"):
+class ImageRequest(LinkMessage, frozen=True, tag="add_images"):
     """A request with images: the engine client has `preprocessor` process `images` (the URLs,
     data URIs included: never pixels) and sends the request with the result; answered by an
     `AddAnswer` in the caller's output batches. The `n` > 1 choices of one request name the same
@@ -115,15 +102,22 @@ class ImageRequest(msgspec.Struct, frozen=True, tag="add_images"):
     group: str = ""
 
 
-class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
+class AbortRequests(LinkMessage, frozen=True, tag="abort"):
     """The caller gave these requests up (its client left, a stop string matched)."""
 
     caller: str
     request_ids: list[str]
 
 
+class Probe(LinkMessage, frozen=True, tag="probe"):
+    """The caller has requests in flight and has heard nothing for a while: the engine client
+    answers with a numbered `OutputBatch` at once (`sockets.LINK_PROBE_S`)."""
+
+    caller: str
+
+
 # What an ingress replica sends an engine client's inbox.
-LinkRequest = TextRequest | ImageRequest | AbortRequests
+LinkRequest = TextRequest | ImageRequest | AbortRequests | Probe
 
 
 class EngineEvent(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -133,16 +127,7 @@ class EngineEvent(msgspec.Struct, frozen=True, omit_defaults=True):
 
     outputs: list[EngineCoreOutput] = []
     accepted: PromptAccepted | None = None
-    refused: RequestRefused | None = None
-
-
-class GatewayBusyError(Exception):
-    """A tier between the ingress and the engines is full (Serve back-pressure, the preprocessing
-    queue) or lost the request before any output: the caller should retry shortly."""
-
-    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+    refused: Refusal | None = None
 
 
 class EngineInfo(msgspec.Struct, frozen=True):

@@ -4,24 +4,23 @@ An ingress replica receives the outputs of all its requests on one engine client
 `OutputBatch`es (`mmserve.transit.engine_link`). `OutputDemux` hands each output to its request's
 `RequestOutputs`, which merges while its consumer lags (vLLM's `RequestOutputCollector`): a slow
 consumer takes everything that arrived at once, never one queue item per token. The answers to
-requests come in the same batches, and go to their requests the same way.
-A batch lost on the way (numbered batches, one number skipped: a broken connection that ZMQ remade)
-fails every request in flight there: which of them missed outputs nobody can tell.
+requests come in the same batches, and go to their requests the same way. A batch lost on the way
+(its number skipped: `sockets.Arrivals`), or the engine client's word that messages from here were
+lost (`OutputBatch.lost`), fails every request in flight there: which of them missed a message
+nobody can tell.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from mmserve.engine import EngineDeadError
-from .engine_link import AddAnswer, OutputBatch
 from mmserve.wire import EngineCoreOutput
 
-from .router import ReplicaLostError
-
-# Streams whose batch numbers are remembered (one per `subscribe` call: a new one each time this
-# replica subscribes again).
-RECENT_STREAMS = 8
+from .engine_link import AddAnswer, OutputBatch
+from .refusals import LinkLost
+from .sockets import Arrivals
 
 
 class RequestOutputs:
@@ -83,14 +82,15 @@ class OutputDemux:
         self._requests: dict[str, RequestOutputs] = {}
         # The engine-client replica whose stream is being read (None: none yet).
         self.replica: str | None = None
-        # The last batch number seen of each recent stream (`OutputBatch.stream`), the newest last.
-        self._last_seq: dict[int, int] = {}
+        # The batches' numbers (one stream per `subscribe` call), and when the last one came (monotonic).
+        self._arrivals = Arrivals()
+        self.heard_at = time.monotonic()
 
     def __len__(self) -> int:
         return len(self._requests)
 
     def register(self, request_id: str) -> RequestOutputs:
-        """Before the request is sent: its outputs may arrive before the answer to `add` does."""
+        """Before the request is sent: its outputs may arrive before its answer does."""
         outputs = self._requests[request_id] = RequestOutputs()
         return outputs
 
@@ -98,11 +98,12 @@ class OutputDemux:
         self._requests.pop(request_id, None)
 
     def dispatch(self, batch: OutputBatch) -> None:
-        if batch.seq and self._skipped(batch):
-            # Outputs of some of them are gone, and the rest of their text cannot be told apart from
-            # what was lost: the lost batch's requests, unknown, fail all (the engine client aborts
-            # them when their calls are cancelled), and so does this batch.
-            self._fail_in_flight(ReplicaLostError("outputs from the engine client were lost on the way (a broken connection)"))
+        self.heard_at = time.monotonic()
+        if self._arrivals.lost(None, batch) or batch.lost:
+            # Outputs of some of them are gone, or their requests or aborts, and the rest cannot be
+            # told apart from what was lost: the requests in flight fail all (the engine client aborts
+            # them when their calls are cancelled, if it has not yet), and so does this batch.
+            self._fail_in_flight(LinkLost("messages between this ingress and the engine client were lost on the way"))
             return
         requests = self._requests
         for output in batch.outputs:
@@ -115,26 +116,13 @@ class OutputDemux:
             if (outputs := requests.get(answer.request_id)) is not None:
                 outputs.answered(answer)
 
-    def _skipped(self, batch: OutputBatch) -> bool:
-        """Whether a batch of the newest stream came before this one and never arrived. (Batches of
-        an older stream, late, are checked against their own stream, never failing the newest's.)"""
-        last = self._last_seq.get(batch.stream)
-        if last is None:
-            if len(self._last_seq) >= RECENT_STREAMS:
-                del self._last_seq[next(iter(self._last_seq))]
-            self._last_seq[batch.stream] = batch.seq
-            return batch.seq != 1
-        self._last_seq[batch.stream] = max(last, batch.seq)
-        newest = next(reversed(self._last_seq))
-        return batch.seq > last + 1 and batch.stream == newest
-
     def connected(self, replica: str) -> None:
         """A stream from `replica` began: requests admitted by any other replica will never hear
         from it again (an engine client runs one replica; a new one means the old one is gone)."""
         self.replica = replica
         for outputs in self._requests.values():
             if outputs.replica is not None and outputs.replica != replica:
-                outputs.fail(ReplicaLostError("the engine client serving this request was replaced"))
+                outputs.fail(LinkLost("the engine client serving this request was replaced"))
 
     def lost(self, error: BaseException) -> None:
         """The stream ended: every admitted request fails, and every request whose answer had not come."""

@@ -8,9 +8,9 @@ preprocessor process them, their pixels coming to it through the object store.
 from __future__ import annotations
 
 from mmserve.multimodal import ImageBatchRequest
-from .engine_link import ImageRequest, PreprocessorName
 from mmserve.wire import EngineCoreRequest
 
+from .engine_link import ImageRequest, PreprocessorName
 from .affinity import image_key
 
 

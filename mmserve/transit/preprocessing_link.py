@@ -7,7 +7,7 @@ pixel store (Ray's object store: `deployments/pixel_store.py`) and the answer na
 (`ReleasePixels`: the replica then lets them go, and the memory stays only as long as the engine
 client's own mapping, until the engine's socket has sent it), and hands that memory to the engine's
 socket uncopied. Arrays below `STORE_MIN_BYTES`, which every socket copies anyway, travel inside the
-header.
+header. Every message is numbered on its link (`sockets.LinkMessage`), which is how a lost one is found.
 """
 
 from __future__ import annotations
@@ -18,15 +18,13 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
-from ..multimodal.types import ImageBatchRequest, ImagesRefused, ProcessedImages
+from ..multimodal.types import ImageBatchRequest, ProcessedImages
+from .refusals import Refusal
+from .sockets import LinkMessage
 
 # Arrays this large or larger go through the pixel store; smaller ones inside the answer (the engine's
 # socket copies anything smaller than this, as pyzmq does: `mmserve/engine/transport.py`).
 STORE_MIN_BYTES = 64 * 1024
-
-
-class PixelsLost(Exception):
-    """Pixels named by an answer could not be read from the store (freed, or their writer died)."""
 
 
 class PixelStore(Protocol):
@@ -39,7 +37,8 @@ class PixelStore(Protocol):
         ...
 
     async def get(self, name: bytes) -> list[np.ndarray]:
-        """The arrays named `name`, mapped where they lie (read-only); raises `PixelsLost`."""
+        """The arrays named `name`, mapped where they lie (read-only); raises `LinkLost` (freed, or
+        their writer died)."""
         ...
 
 
@@ -52,7 +51,7 @@ class PreprocessorHello(msgspec.Struct, frozen=True):
     replica: str
 
 
-class PreprocessJob(msgspec.Struct, frozen=True, tag="job"):
+class PreprocessJob(LinkMessage, frozen=True, tag="job"):
     """One request's images to process; answered to the inbox at `reply_to` under `job`."""
 
     reply_to: str
@@ -60,24 +59,15 @@ class PreprocessJob(msgspec.Struct, frozen=True, tag="job"):
     request: ImageBatchRequest
 
 
-class CancelJobs(msgspec.Struct, frozen=True, tag="cancel"):
-    """The sender at `reply_to` no longer wants these jobs' answers (its requests were aborted)."""
+class CancelJobs(LinkMessage, frozen=True, tag="cancel"):
+    """The sender at `reply_to` no longer wants these jobs' answers (its requests were aborted, or
+    lost): the replica stops them, and lets their pixels go if it answered already."""
 
     reply_to: str
     jobs: list[int]
 
 
-class AskHeldJobs(msgspec.Struct, frozen=True, tag="held?"):
-    """Which of these jobs from the sender at `reply_to` does the replica still hold (working on them,
-    or delivering their answers)? Asked of jobs long unanswered: one whose message or answer was lost
-    on a broken connection is held nowhere, and would otherwise be waited for forever. Answered with
-    `JobAnswer.not_held`, behind every answer sent before (one connection keeps its order)."""
-
-    reply_to: str
-    jobs: list[int]
-
-
-class ReleasePixels(msgspec.Struct, frozen=True, tag="release"):
+class ReleasePixels(LinkMessage, frozen=True, tag="release"):
     """The sender at `reply_to` has mapped these jobs' pixels (or will never read them): the replica
     lets them go."""
 
@@ -85,25 +75,34 @@ class ReleasePixels(msgspec.Struct, frozen=True, tag="release"):
     jobs: list[int]
 
 
+class Probe(LinkMessage, frozen=True, tag="probe"):
+    """The sender at `reply_to` waits for answers and has heard nothing for a while: the replica
+    answers with a numbered `JobAnswer` of job 0 (`sockets.LINK_PROBE_S`)."""
+
+    reply_to: str
+
+
 # What an engine client sends a preprocessor replica's inbox.
-PreprocessorMessage = PreprocessJob | CancelJobs | AskHeldJobs | ReleasePixels
+PreprocessorMessage = PreprocessJob | CancelJobs | ReleasePixels | Probe
 
 
-class JobAnswer(msgspec.Struct, frozen=True, omit_defaults=True):
-    """An answer: the images or the refusal. Each array of `images` is encoded as `[dtype, shape,
-    data]`, `data` being its bytes (a small array) or its index in the arrays the store holds under
-    `pixels` (as vLLM's own wire encodes arrays, with frames: `mmserve/wire/codec.py`)."""
+class JobAnswer(LinkMessage, frozen=True, omit_defaults=True):
+    """An answer from the replica whose inbox is `sender`: the images or the refusal of `job`, or
+    (job 0) the answer to a probe, or news that messages from this engine client were lost (`lost`:
+    the replica dropped every job of its then, and their pixels). Each array of `images` is encoded as
+    `[dtype, shape, data]`, `data` being its bytes (a small array) or its index in the arrays the store
+    holds under `pixels` (as vLLM's own wire encodes arrays, with frames: `mmserve/wire/codec.py`)."""
 
+    sender: str
     job: int
     images: ProcessedImages | None = None
-    refused: ImagesRefused | None = None
+    refused: Refusal | None = None
     # The name of the answer's large arrays in the pixel store (None: it has none).
     pixels: bytes | None = None
-    # Set instead (job 0): the answer to `AskHeldJobs`, the jobs asked about that the replica does not hold.
-    not_held: list[int] | None = None
+    lost: bool = False
 
     @property
-    def answer(self) -> ProcessedImages | ImagesRefused:
+    def answer(self) -> ProcessedImages | Refusal:
         if self.images is not None:
             return self.images
         if self.refused is not None:
@@ -111,32 +110,33 @@ class JobAnswer(msgspec.Struct, frozen=True, omit_defaults=True):
         raise AnswerError(f"the answer to job {self.job} holds neither images nor a refusal")
 
 
-class AnswerHead(msgspec.Struct, frozen=True):
-    """What the engine client reads of an answer before its pixels: which job, and where they are."""
+class AnswerHead(LinkMessage, frozen=True):
+    """What the engine client reads of an answer before its pixels."""
 
+    sender: str
     job: int
     pixels: bytes | None = None
-    not_held: list[int] | None = None
+    lost: bool = False
 
 
 class AnswerError(ValueError):
     """An answer that makes no answer (a peer of another version, or a bug)."""
 
 
-_message_encoder = msgspec.msgpack.Encoder()
+_encoder = msgspec.msgpack.Encoder()
 _message_decoder: msgspec.msgpack.Decoder[PreprocessorMessage] = msgspec.msgpack.Decoder(PreprocessorMessage)  # type: ignore[arg-type]
 _head_decoder = msgspec.msgpack.Decoder(AnswerHead)
 
-
-def encode_message(message: PreprocessorMessage) -> bytes:
-    return _message_encoder.encode(message)
+encode = _encoder.encode
 
 
 def decode_message(data: bytes) -> PreprocessorMessage:
     return _message_decoder.decode(data)
 
 
-def encode_answer(job: int, answer: ProcessedImages | ImagesRefused, put: Callable[[list[np.ndarray]], tuple[bytes, Any]]) -> tuple[bytes, Any]:
+def answer_of(
+    sender: str, job: int, answer: ProcessedImages | Refusal, put: Callable[[list[np.ndarray]], tuple[bytes, Any]]
+) -> tuple[JobAnswer, Any]:
     """The answer's message, and the hold on its pixels in the store (None: it put none there). The
     large arrays are written there with one `put`."""
     stored: list[np.ndarray] = []
@@ -150,17 +150,12 @@ def encode_answer(job: int, answer: ProcessedImages | ImagesRefused, put: Callab
         stored.append(array)
         return [array.dtype.str, list(array.shape), len(stored) - 1]
 
-    if isinstance(answer, ImagesRefused):
-        return _message_encoder.encode(JobAnswer(job, refused=answer)), None
+    if isinstance(answer, Refusal):
+        return JobAnswer(sender=sender, job=job, refused=answer), None
     images = msgspec.msgpack.Encoder(enc_hook=array_ref).encode(answer)
     name, hold = put(stored) if stored else (None, None)
-    # The images are encoded once, before the put that names their arrays; the header around them after.
-    return _message_encoder.encode(JobAnswer(job, images=msgspec.Raw(images), pixels=name)), hold  # type: ignore[arg-type]
-
-
-def encode_not_held(jobs: list[int]) -> bytes:
-    """The answer to `AskHeldJobs`: `jobs` are held nowhere."""
-    return _message_encoder.encode(JobAnswer(0, not_held=jobs))
+    # The images are encoded once, before the put that names their arrays; the message around them after.
+    return JobAnswer(sender=sender, job=job, images=msgspec.Raw(images), pixels=name), hold  # type: ignore[arg-type]
 
 
 def decode_head(data: bytes) -> AnswerHead:
@@ -185,8 +180,7 @@ def decode_answer(data: bytes, stored: Sequence[np.ndarray] = ()) -> JobAnswer:
             if array.dtype != np.dtype(dtype) or list(array.shape) != list(shape):
                 raise ValueError(f"stored array {data} is {array.dtype}{list(array.shape)}, not {dtype}{shape}")
             return array
-        array = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
-        return array
+        return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
 
     try:
         return msgspec.msgpack.Decoder(JobAnswer, dec_hook=array_of).decode(data)

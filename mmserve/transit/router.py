@@ -28,14 +28,14 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
+from mmserve.engine import EngineDeadError, EngineNotReadyError, InvalidRequestError
 from mmserve.multimodal import ImageBatchRequest
-from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
-from .engine_link import EngineEvent, EngineInfo, GatewayBusyError, PreprocessorName, RequestRefused
 from mmserve.wire import EngineCoreRequest
 
+from .engine_link import EngineEvent, EngineInfo, PreprocessorName
 from .affinity import AffinityKeys, AffinityTable, EngineId, affinity_keys, choose_engine, home_engine
 from .pending_images import PendingImages
+from .refusals import GatewayBusyError, LinkLost, refusal_error
 from .settings import RoutingSettings
 
 logger = logging.getLogger("ray.serve")
@@ -67,10 +67,6 @@ class NoEngineAliveError(EngineDeadError):
     """Every engine is dead or closed (none starting): there is nowhere to send a request."""
 
 
-class ReplicaLostError(Exception):
-    """The engine client serving a request died under it, or the request or its outputs were lost on the way."""
-
-
 class EngineCall(Protocol):
     """One request on an engine client: its `EngineEvent`s, until it finished or failed."""
 
@@ -83,7 +79,7 @@ class EngineCall(Protocol):
 
 class EngineConnection(Protocol):
     """One engine client as the router reaches it. Failures arrive typed: the engine's own
-    errors, `GatewayBusyError` for a full tier, `ReplicaLostError` for a replica that died."""
+    errors, `GatewayBusyError` for a full tier, `LinkLost` for a request or replica lost on the way."""
 
     async def info(self) -> EngineInfo | None:
         """The engine's state; None: the engine is gone (a pool replica that was stopped)."""
@@ -314,7 +310,7 @@ class EngineRouter:
                 if produced or len(self._routable()) == 1:
                     raise
                 retry = exc
-            except ReplicaLostError as exc:
+            except LinkLost as exc:
                 # The engine client, or the request on its way there, was lost: nothing was
                 # generated, so it goes again once, to any engine ready (its replacement too).
                 self._refreshed_at = 0.0
@@ -335,22 +331,3 @@ class EngineRouter:
 
 def _is_ready(info: EngineInfo | None) -> bool:
     return info is not None and info.state == "ready"
-
-
-def refusal_error(refusal: RequestRefused) -> Exception:
-    """The typed error a refusal stands for (see `RequestRefused`)."""
-    if refusal.kind == "dead":
-        return EngineDeadError(refusal.message)
-    if refusal.kind == "not_ready":
-        return EngineNotReadyError(refusal.message)
-    if refusal.kind == "internal":
-        return RuntimeError(f"the engine client failed the request: {refusal.message}")
-    if refusal.kind == "image":
-        return ImageInputError(refusal.message)  # the message already names the image
-    if refusal.kind == "image_too_large":
-        return ImagesTooLargeError(refusal.message)
-    if refusal.kind == "busy":
-        return GatewayBusyError(refusal.message, retry_after_s=refusal.retry_after_s or 1)
-    if refusal.kind == "overloaded":
-        return EngineOverloadedError(refusal.message)
-    return InvalidRequestError(refusal.message, refusal.param)

@@ -1,19 +1,22 @@
-"""The ZMQ links between an engine client and its callers (ingress replicas): an inbox each side binds, outboxes the other side connects.
+"""The ZMQ sockets every link is made of: an inbox each side binds, outboxes the other side connects; and how a message lost on a link is found.
 
 A Ray call or stream item costs a few hundred microseconds of CPU on each side; at low concurrency
-every engine step is one item per caller, i.e. one per token. A ZMQ message costs tens. So what
-flows per request or per engine step travels over ZMQ, each way as single-frame messages from
-`LinkOutbox`es (PUSH) to one `LinkInbox` (PULL, bound on its node's address):
-- outputs: each caller binds an inbox and names it when it subscribes to an engine client, which
-  sends it `mmserve.transit.engine_link.OutputBatch`es; the Ray subscription stays open beside the link as
-  its control channel (it names the engine-client replica sending, and its end says that replica
-  is gone);
-- requests: each engine client binds an inbox too, named in the subscription's first batch, where
-  its callers send `mmserve.transit.engine_link.LinkRequest`s (text requests and aborts); the answers come back
-  in the output batches.
+every engine step is one item per caller, i.e. one per token. A ZMQ message costs tens. So
+everything that flows per request or per engine step travels over ZMQ, each way as single-frame
+messages from `LinkOutbox`es (PUSH) to one `LinkInbox` (PULL, bound on its node's address): between
+an ingress replica and an engine client (`engine_link.py`), and between an engine client and a
+preprocessor replica (`preprocessing_link.py`). A Ray call beside each pair of links is its control
+channel: it names the inboxes, and its end says the other side is gone.
 
-Neither side knows what the bytes hold. Nothing is dropped: no high-water mark on either side (the
-reader reads as fast as its loop runs; a message waits in memory rather than vanish).
+Nothing is dropped while a connection holds: no high-water mark on either side (the reader reads as
+fast as its loop runs; a message waits in memory rather than vanish). A connection that breaks, and
+that ZMQ remakes, loses what was on its way, and so does an answer a sender gives up delivering.
+Every link finds such a loss the same way: each message carries its outbox's stream (a random
+number) and its place there (`LinkMessage`), so the receiver sees a number skipped (`Arrivals`); and
+a side that waits for an answer while it has heard nothing for `LINK_PROBE_S` sends a probe, a
+numbered message that is answered with a numbered one, so that a loss at the end of a stream is
+found too, within two probes. What a side does about a loss is its link's business: what was in
+flight between the two fails, and is tried once more where nothing has been generated.
 
 An inbox is read by a thread of its own with blocking receives (`SocketReader`), not through pyzmq's
 asyncio socket, whose every message costs a future, an `EVENTS` query and a re-arm of the loop's
@@ -33,10 +36,15 @@ import asyncio
 import collections
 import os
 import threading
+from collections.abc import Callable, Hashable
+from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
+# A side that waits for answers and has heard nothing on the link for this long sends a probe.
+LINK_PROBE_S = 5.0
 # How long `close` waits for the thread to take the stop token and close the socket.
 CLOSE_WAIT_S = 2.0
 
@@ -149,9 +157,42 @@ class LinkInbox:
         self._reader.close()
 
 
+class LinkMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """What every message on a link carries: the stream of the outbox that sent it (a random number)
+    and its place there, from 1 (`LinkOutbox.send`)."""
+
+    stream: int = 0
+    seq: int = 0
+
+
+class Arrivals:
+    """A receiver's record of the streams it reads, by sender: whether a message shows that one
+    before it was lost. The first message seen of a stream must be its first; each stream replaces
+    its sender's earlier ones (a new outbox: the sender connected anew), whose late messages show nothing."""
+
+    def __init__(self, streams_per_sender: int = 4) -> None:
+        self._streams_per_sender = streams_per_sender
+        self._last: dict[Hashable, collections.OrderedDict[int, int]] = {}
+
+    def lost(self, sender: Hashable, message: LinkMessage) -> bool:
+        streams = self._last.setdefault(sender, collections.OrderedDict())
+        last = streams.get(message.stream)
+        if last is None:
+            streams[message.stream] = message.seq
+            if len(streams) > self._streams_per_sender:
+                streams.popitem(last=False)
+            return message.seq != 1
+        streams[message.stream] = max(last, message.seq)
+        return message.seq > last + 1 and message.stream == next(reversed(streams))
+
+    def forget(self, sender: Hashable) -> None:
+        self._last.pop(sender, None)
+
+
 class LinkOutbox:
     """A sending end, connected to one inbox: a plain socket (pyzmq's asyncio one would watch its
-    descriptor on the loop and handle its every signal, for sends that never wait)."""
+    descriptor on the loop and handle its every signal, for sends that never wait). Its messages are
+    numbered in a stream of its own (`LinkMessage`)."""
 
     def __init__(self, address: str, ctx: zmq.Context | None = None, *, connected_only: bool = False) -> None:
         # zmq.asyncio's context by default: the one zmq I/O thread the process's other sockets use.
@@ -163,11 +204,22 @@ class LinkOutbox:
             # queueing for it: what would wait for a peer that never comes back is never kept.
             self._socket.setsockopt(zmq.IMMEDIATE, 1)
         self._socket.connect(address)
+        self.stream = int.from_bytes(os.urandom(6), "big")
+        self.sent = 0
 
-    def send_nowait(self, message: bytes) -> None:
-        """Hand `message` to zmq now (it never waits: no high-water mark, and the connection's pipe
-        exists from `connect` on, so zmq queues what the inbox has not taken yet)."""
-        self._socket.send(message, zmq.NOBLOCK, copy=len(message) < 65536)
+    def send(self, message: LinkMessage, encode: Callable[[Any], bytes]) -> None:
+        """Number `message` as the next of this outbox's stream, encode it and hand it to zmq now (it
+        never waits: no high-water mark, and the connection's pipe exists from `connect` on, so zmq
+        queues what the inbox has not taken yet). `connected_only`: raises `zmq.Again` while the inbox
+        is not connected, the number unused."""
+        data = encode(msgspec.structs.replace(message, stream=self.stream, seq=self.sent + 1))
+        self._socket.send(data, zmq.NOBLOCK, copy=len(data) < 65536)
+        self.sent += 1
+
+    def skip(self) -> None:
+        """A message will never be sent after all (given up undelivered): its number is skipped, so
+        that the receiver finds it lost."""
+        self.sent += 1
 
     @property
     def closed(self) -> bool:

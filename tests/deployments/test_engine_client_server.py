@@ -12,7 +12,8 @@ from deployments.engine_client_server import EngineClientServer, EngineClientSet
 from mmserve.builtin_engine.settings import DEFAULT_MODEL_DIR
 from mmserve.engine import EngineAddresses
 from mmserve.engine.outputs import CallerChannel
-from mmserve.multimodal import ImagesRefused, PixelMode, ProcessedImages, load_image_family, pixel_dtype_for
+from mmserve.multimodal import PixelMode, ProcessedImages, load_image_family, pixel_dtype_for
+from mmserve.transit.refusals import Refusal
 from mmserve.vision import decode_rgb
 from mmserve.wire import EngineCoreRequest, SamplingParams
 from tests.support.defaults import builtin_engine_options, engine_client_settings, image_limits
@@ -77,11 +78,12 @@ def test_a_prompt_the_engine_guard_refuses_is_an_answer_not_an_exception():
     assert in_flight == 0
 
 
-def test_image_refusals_keep_their_kind_and_retry_after():
+def test_the_preprocessors_refusals_are_the_requests_as_they_are():
     refusals = [
-        ImagesRefused("image 2: not an image", 1),
-        ImagesRefused("image 1: too many pixels", 0, kind="too_large"),
-        ImagesRefused("busy decoding other images", kind="busy", retry_after_s=1),
+        Refusal("image", "image 2: not an image", "messages"),
+        Refusal("image_too_large", "image 1: too many pixels", "messages"),
+        Refusal("busy", "busy decoding other images", "messages", retry_after_s=1),
+        Refusal("lost", "image preprocessing failed: lost twice; retry shortly", retry_after_s=1),
     ]
 
     async def run():
@@ -92,11 +94,7 @@ def test_image_refusals_keep_their_kind_and_retry_after():
         finally:
             await server.shutdown()
 
-    refused = [admission.refused for admission in asyncio.run(run())]
-    assert [(r.kind, r.param, r.retry_after_s) for r in refused] == [
-        ("image", "messages", None), ("image_too_large", "messages", None), ("busy", "messages", 1),
-    ]
-    assert [r.message for r in refused] == [images.message for images in refusals]
+    assert [admission.refused for admission in asyncio.run(run())] == refusals
 
 
 def test_a_lost_node_fails_every_request_with_its_reason_and_stops_the_builtin_engine():
@@ -151,7 +149,7 @@ def test_recalled_images_the_engine_does_not_hold_are_processed_anew_or_the_requ
         await server.start()
         try:
             pad = family.placeholder_token_id
-            busy = ImagesRefused("the image preprocessing queue is full; retry shortly", kind="busy", retry_after_s=1)
+            busy = Refusal("busy", "the image preprocessing queue is full; retry shortly", "messages", retry_after_s=1)
             refused = await server.add(_image_request("r1", pad), recalled, CallerChannel(), reprocess(busy))
             channel = CallerChannel()
             admitted = await server.add(_image_request("r2", pad), recalled, channel, reprocess(processed))

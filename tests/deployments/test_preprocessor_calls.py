@@ -1,5 +1,5 @@
 """`PreprocessorCalls`: an engine client's call to the preprocessor answers pixels or a refusal the
-client can act on, waits for a replica to be attached (bounded), and tries a lost replica's work once more."""
+client can act on, and tries a job lost on the way, or with its replica, once more."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import asyncio
 import logging
 
 from deployments.preprocessor_calls import PreprocessorCalls
-from mmserve.multimodal import ImageBatchRequest, ImagesRefused, ProcessedImages
-from mmserve.transit.preprocessing_client import NoReplicaAttached, ReplicaLost
+from mmserve.multimodal import ImageBatchRequest, ProcessedImages
 from mmserve.multimodal.types import PixelMode
 from mmserve.transit.engine_link import PreprocessorName
+from mmserve.transit.refusals import LinkLost, Refusal
 
 NAME = PreprocessorName("app", "Preprocessor")
 REQUEST = ImageBatchRequest(urls=["data:image/png;base64,AAAA"], pixel_mode=PixelMode.DEVICE_NORMALIZE, engine_dtype="bfloat16")
@@ -18,21 +18,14 @@ PROCESSED = ProcessedImages(images=[], placeholder_token_id=7, family="qwen2_vl"
 
 
 class ScriptedReplicas:
-    """`PreprocessorReplicas`' stand-in: each job gets the next of `answers` (raised if an exception);
-    attached once `open` is set."""
+    """`PreprocessorReplicas`' stand-in: each job gets the next of `answers` (raised if an exception)."""
 
-    def __init__(self, *answers: object, attached: bool = True) -> None:
+    def __init__(self, *answers: object) -> None:
         self.answers = list(answers)
-        self.jobs = 0
-        self.open = asyncio.Event()
-        if attached:
-            self.open.set()
+        self.jobs: list[float] = []
 
-    async def attached(self) -> None:
-        await self.open.wait()
-
-    async def process(self, request: ImageBatchRequest):
-        self.jobs += 1
+    async def process(self, request: ImageBatchRequest, attach_timeout_s: float):
+        self.jobs.append(attach_timeout_s)
         answer = self.answers.pop(0)
         if isinstance(answer, BaseException):
             raise answer
@@ -44,46 +37,22 @@ class ScriptedLinks:
         self.replicas = replicas
 
 
-def _calls(replicas: ScriptedReplicas, attach_timeout_s: float = 5.0) -> PreprocessorCalls:
-    calls = PreprocessorCalls("127.0.0.1", store=None, attach_timeout_s=attach_timeout_s)  # type: ignore[arg-type]
+def _process(replicas: ScriptedReplicas):
+    calls = PreprocessorCalls("127.0.0.1", store=None, attach_timeout_s=7.0)  # type: ignore[arg-type]
     calls._links[(NAME.app, NAME.deployment)] = ScriptedLinks(replicas)  # type: ignore[assignment]
-    return calls
-
-
-def _process(replicas: ScriptedReplicas, attach_timeout_s: float = 5.0):
-    return asyncio.run(_calls(replicas, attach_timeout_s).process(REQUEST, NAME))
+    return asyncio.run(calls.process(REQUEST, NAME)), calls.jobs
 
 
 def test_the_pixels_and_the_preprocessors_own_refusals_come_back_as_answered():
-    assert _process(ScriptedReplicas(PROCESSED)) is PROCESSED
-    refused = ImagesRefused("image 1: not an image", 0)
-    assert _process(ScriptedReplicas(refused)) is refused
+    assert _process(ScriptedReplicas(PROCESSED)) == (PROCESSED, 1)
+    refused = Refusal("image", "image 1: not an image", "messages")
+    assert _process(ScriptedReplicas(refused)) == (refused, 1)
 
 
-def test_a_lost_replicas_job_is_tried_once_more_then_busy(caplog):
-    replicas = ScriptedReplicas(ReplicaLost("r1 lost"), PROCESSED)
+def test_a_lost_job_is_tried_once_more_then_refused_as_lost(caplog):
+    replicas = ScriptedReplicas(LinkLost("r1 lost"), PROCESSED)
     with caplog.at_level(logging.WARNING, logger="ray.serve"):
-        assert _process(replicas) is PROCESSED
-    assert "trying once more" in caplog.text and replicas.jobs == 2
-    refused = _process(ScriptedReplicas(ReplicaLost("r1 lost"), ReplicaLost("r2 lost")))
-    assert isinstance(refused, ImagesRefused) and refused.kind == "busy" and refused.retry_after_s == 1
-    assert "r2 lost" in refused.message
-
-
-def test_a_request_waits_for_a_replica_to_attach_and_is_busy_if_none_does_in_time():
-    async def scenario():
-        replicas = ScriptedReplicas(PROCESSED, attached=False)
-        call = asyncio.ensure_future(_calls(replicas).process(REQUEST, NAME))
-        await asyncio.sleep(0.1)
-        assert not call.done() and replicas.jobs == 0
-        replicas.open.set()
-        assert await asyncio.wait_for(call, 5) is PROCESSED
-
-    asyncio.run(scenario())
-    refused = _process(ScriptedReplicas(attached=False), attach_timeout_s=0.1)
-    assert isinstance(refused, ImagesRefused) and refused.kind == "busy" and "could be reached" in refused.message
-
-
-def test_a_replica_leaving_as_the_job_came_means_waiting_for_the_next():
-    replicas = ScriptedReplicas(NoReplicaAttached(), PROCESSED)
-    assert _process(replicas) is PROCESSED and replicas.jobs == 2
+        assert _process(replicas) == (PROCESSED, 2)
+    assert "trying once more" in caplog.text and replicas.jobs == [7.0, 7.0]
+    refused, jobs = _process(ScriptedReplicas(LinkLost("r1 lost"), LinkLost("r2 lost")))
+    assert (refused.kind, refused.retry_after_s, jobs) == ("lost", 1, 2) and "r2 lost" in refused.message

@@ -14,7 +14,8 @@ from PIL import Image
 
 from mmserve.multimodal import ImageBatchRequest, PixelMode, load_image_family
 from mmserve.multimodal import preprocessor as preprocessor_module
-from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError, PreprocessorBusyError, images_refused
+from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError, PreprocessorBusyError
+from mmserve.transit.refusals import refusal_of
 from mmserve.multimodal.preprocessor import ImagePreprocessor
 from serve_app.config import BUILTIN_MODEL_DIR, AppConfig
 from serve_app.settings import preprocessor_settings
@@ -113,7 +114,7 @@ def test_a_request_over_the_budget_alone_is_a_413_and_nothing_is_decoded(decodes
     with pytest.raises(ImagesTooLargeError, match=r"^image 2: 400x300 = 120000 pixels.*images.max_pixels_in_flight") as refused:
         _run(pre, [_uri(100, 80, 0), _uri(400, 300, 1)])
     assert decodes.count == 0 and pre.budget.in_use == 0
-    assert images_refused(refused.value).kind == "too_large"
+    assert refusal_of(refused.value).kind == "image_too_large"
 
 
 def test_requests_that_do_not_fit_together_get_a_503_at_once_and_fit_later(decodes):
@@ -136,7 +137,7 @@ def test_requests_that_do_not_fit_together_get_a_503_at_once_and_fit_later(decod
     busy, decoded_while_busy, cached, later = asyncio.run(scenario())
     assert decoded_while_busy == 2  # `small` once, `first`: never `second` while busy
     assert busy.retry_after_s == 1
-    refusal = images_refused(busy)
+    refusal = refusal_of(busy)
     assert (refusal.kind, refusal.retry_after_s) == ("busy", 1)
     assert len(cached.images) == 1 and len(later.images) == 1
     assert pre.budget.in_use == 0 and pre.budget.refused == 1 and pre.budget.peak == 60_000

@@ -8,7 +8,7 @@ from mmserve.engine import EngineDeadError, EngineError, EngineNotReadyError, En
 from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
 from mmserve.transit.router import NoEngineAliveError
 from mmserve.openai.errors import ERROR_TABLE, OpenAIError, internal_error, openai_error
-from mmserve.transit.engine_link import GatewayBusyError
+from mmserve.transit.refusals import GatewayBusyError
 
 
 @pytest.mark.parametrize(

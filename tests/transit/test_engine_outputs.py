@@ -8,17 +8,28 @@ import pytest
 
 from mmserve.engine import EngineDeadError
 from mmserve.transit.engine_outputs import OutputDemux
-from mmserve.transit.router import ReplicaLostError
 from mmserve.transit.engine_link import AddAnswer, Admission, OutputBatch, PromptAccepted, RequestFailed
+from mmserve.transit.refusals import LinkLost
 from mmserve.wire import EngineCoreOutput, FinishReason
+
+
+class Stream:
+    """Numbers batches as an engine client's outbox does (one stream)."""
+
+    def __init__(self, stream: int = 1) -> None:
+        self.stream, self.seq = stream, 0
+
+    def __call__(self, *args, **kwargs) -> OutputBatch:
+        self.seq += 1
+        return OutputBatch(*args, **kwargs, stream=self.stream, seq=self.seq)
 
 
 def test_batches_are_split_by_request_and_merged_for_a_lagging_consumer():
     async def run():
-        demux = OutputDemux()
+        demux, batch = OutputDemux(), Stream()
         a, b = demux.register("a"), demux.register("b")
-        demux.dispatch(OutputBatch([EngineCoreOutput("a", [1]), EngineCoreOutput("b", [2]), EngineCoreOutput("x", [9])]))
-        demux.dispatch(OutputBatch([EngineCoreOutput("a", [3], finish_reason=FinishReason.STOP)], [RequestFailed("b", "engine died")]))
+        demux.dispatch(batch([EngineCoreOutput("a", [1]), EngineCoreOutput("b", [2]), EngineCoreOutput("x", [9])]))
+        demux.dispatch(batch([EngineCoreOutput("a", [3], finish_reason=FinishReason.STOP)], [RequestFailed("b", "engine died")]))
         got_a = await a.next()
         got_b = await b.next()
         with pytest.raises(EngineDeadError, match="engine died"):
@@ -35,8 +46,8 @@ def test_a_lost_stream_fails_admitted_requests_and_a_new_replica_fails_the_old_o
         demux = OutputDemux()
         admitted, pending = demux.register("a"), demux.register("p")
         admitted.replica = "r1"
-        demux.lost(ReplicaLostError("stream broke"))
-        with pytest.raises(ReplicaLostError):
+        demux.lost(LinkLost("stream broke"))
+        with pytest.raises(LinkLost):
             await admitted.next()
         still_pending = pending.error is None
         old = demux.register("o")
@@ -48,20 +59,20 @@ def test_a_lost_stream_fails_admitted_requests_and_a_new_replica_fails_the_old_o
 
     still_pending, old_error, new_error = asyncio.run(run())
     assert still_pending, "a request whose add is under way learns its fate from the add"
-    assert isinstance(old_error, ReplicaLostError) and new_error is None
+    assert isinstance(old_error, LinkLost) and new_error is None
 
 
-def test_an_answer_over_the_link_reaches_its_request_even_after_its_outputs():
+def test_an_answer_reaches_its_request_even_after_its_outputs():
     async def run():
-        demux = OutputDemux()
+        demux, batch = OutputDemux(), Stream()
         request = demux.register("a")
         request.awaiting_answer = True
         answer = AddAnswer("a", Admission(accepted=PromptAccepted([1, 2])))
         waiting = asyncio.create_task(request.next_answer())
-        demux.dispatch(OutputBatch([EngineCoreOutput("a", [1])]))  # the outputs first: the answer is still awaited
+        demux.dispatch(batch([EngineCoreOutput("a", [1])]))  # the outputs first: the answer is still awaited
         await asyncio.sleep(0.01)
         pending = not waiting.done()
-        demux.dispatch(OutputBatch(answers=[answer, AddAnswer("unknown", Admission())]))
+        demux.dispatch(batch(answers=[answer, AddAnswer("unknown", Admission())]))
         got = await asyncio.wait_for(waiting, 1)
         return pending, got, answer, await request.next(), request.awaiting_answer
 
@@ -72,17 +83,34 @@ def test_an_answer_over_the_link_reaches_its_request_even_after_its_outputs():
     assert not still_awaiting
 
 
-def test_a_lost_stream_fails_requests_whose_answer_over_the_link_had_not_come():
+def test_a_lost_stream_fails_requests_whose_answer_had_not_come():
     async def run():
         demux = OutputDemux()
-        over_link, over_ray = demux.register("l"), demux.register("r")
-        over_link.awaiting_answer = True
-        demux.lost(ReplicaLostError("stream broke"))
-        with pytest.raises(ReplicaLostError):
-            await asyncio.wait_for(over_link.next_answer(), 1)
-        return over_ray.error
+        sent, registered = demux.register("s"), demux.register("r")
+        sent.awaiting_answer = True
+        demux.lost(LinkLost("stream broke"))
+        with pytest.raises(LinkLost):
+            await asyncio.wait_for(sent.next_answer(), 1)
+        return registered.error
 
-    assert asyncio.run(run()) is None, "an add over Ray learns its fate from its call"
+    assert asyncio.run(run()) is None, "a request not sent yet learns its fate when it is"
+
+
+def test_the_engine_clients_word_that_requests_were_lost_fails_those_in_flight():
+    """Messages from the ingress were lost (found at the engine client, which aborted the caller's
+    requests): every request in flight here fails, to be sent again if nothing was generated."""
+    async def run():
+        demux, batch = OutputDemux(), Stream()
+        admitted, sent = demux.register("a"), demux.register("s")
+        admitted.replica = "r1"
+        sent.awaiting_answer = True
+        demux.dispatch(batch([EngineCoreOutput("a", [1])]))
+        demux.dispatch(batch(lost=True))
+        return await admitted.next(), admitted.error, sent.error
+
+    outputs, admitted_error, sent_error = asyncio.run(run())
+    assert [o.new_token_ids for o in outputs] == [[1]]
+    assert isinstance(admitted_error, LinkLost) and isinstance(sent_error, LinkLost)
 
 
 
@@ -101,10 +129,10 @@ def test_a_batch_lost_on_the_way_fails_the_requests_in_flight_and_the_stream_goe
         demux.dispatch(_numbered(7, 2, "b", 2))
         demux.dispatch(_numbered(7, 4, "a", 4))  # 3 never came
         got_a = await a.next()
-        with pytest.raises(ReplicaLostError, match="lost on the way"):
+        with pytest.raises(LinkLost, match="lost on the way"):
             await asyncio.wait_for(a.next(), 1)
         got_b = await b.next()
-        with pytest.raises(ReplicaLostError):
+        with pytest.raises(LinkLost):
             await asyncio.wait_for(b.next(), 1)
         later = demux.register("c")
         later.replica = "r1"
@@ -127,7 +155,7 @@ def test_batch_numbers_are_per_stream_and_an_older_streams_late_batch_fails_noth
         demux.dispatch(_numbered(2, 1, "a", 1))  # a new stream (subscribed again) starts at 1
         demux.dispatch(_numbered(1, 4, "x", 0))  # the old stream's late batch, after a gap of its own
         demux.dispatch(_numbered(2, 2, "a", 2))
-        demux.dispatch(OutputBatch([EngineCoreOutput("a", [3])]))  # unnumbered (an older engine client): not checked
+        demux.dispatch(_numbered(2, 3, "a", 3))
         return request.error, await asyncio.wait_for(request.next(), 1)
 
     error, outputs = asyncio.run(run())
@@ -142,4 +170,4 @@ def test_a_new_stream_whose_first_batch_never_came_fails_its_requests():
         demux.dispatch(_numbered(9, 2, "a", 1))
         return request.error
 
-    assert isinstance(asyncio.run(run()), ReplicaLostError)
+    assert isinstance(asyncio.run(run()), LinkLost)

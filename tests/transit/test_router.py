@@ -9,9 +9,10 @@ import pytest
 from mmserve.engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from mmserve.multimodal import ImageBatchRequest, PixelMode
 from mmserve.multimodal.errors import ImageInputError, ImagesTooLargeError
-from mmserve.transit.router import EngineRouter, NoEngineAliveError, PendingImages, ReplicaLostError, StaticEngines, refusal_error
+from mmserve.transit.router import EngineRouter, NoEngineAliveError, PendingImages, StaticEngines
 from mmserve.openai.errors import openai_error
-from mmserve.transit.engine_link import EngineEvent, EngineInfo, GatewayBusyError, ImageRequest, PreprocessorName, RequestRefused
+from mmserve.transit.engine_link import EngineEvent, EngineInfo, ImageRequest, PreprocessorName
+from mmserve.transit.refusals import GatewayBusyError, LinkLost, Refusal, refusal_error
 from mmserve.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
 from tests.support.defaults import routing_settings
 
@@ -99,13 +100,13 @@ def test_a_failure_after_output_is_not_retried():
     with pytest.raises(EngineDeadError):
         _collect(_router([first, other]))
     assert (len(first.calls), other.calls) == (1, [])  # produced output: never sent elsewhere
-    lost = FakeEngine(fail=ReplicaLostError("actor died"))
+    lost = FakeEngine(fail=LinkLost("actor died"))
     with pytest.raises(EngineDeadError, match="actor died"):
         _collect(_router([lost]))
 
 
 def test_a_request_lost_before_its_first_output_goes_once_more_its_images_with_it():
-    engine = FakeEngine(events=[], fail=ReplicaLostError("engine client died"))
+    engine = FakeEngine(events=[], fail=LinkLost("engine client died"))
     router = _router([engine], PREPROCESSOR)
     batch = ImageBatchRequest(urls=["data:x"], pixel_mode=PixelMode("device_normalize"), engine_dtype="float32")
     images = router.preprocess(batch)
@@ -114,7 +115,7 @@ def test_a_request_lost_before_its_first_output_goes_once_more_its_images_with_i
         _collect(router, images)
     assert engine.images == [ImageRequest("caller", _request(), batch, PREPROCESSOR)] * 2
     # Lost once: the second try, on the same engine (its engine client's replacement), answers.
-    events = _collect(_router([_Once(FakeEngine(events=[], fail=ReplicaLostError("lost on the way")), FakeEngine())]))
+    events = _collect(_router([_Once(FakeEngine(events=[], fail=LinkLost("lost on the way")), FakeEngine())]))
     assert [o.new_token_ids for e in events for o in e.outputs] == [[5]]
 
 
@@ -138,12 +139,12 @@ class _Once:
 @pytest.mark.parametrize(
     ("refusal", "error"),
     [
-        (RequestRefused("image", "image 1: not an image", "messages"), ImageInputError),
-        (RequestRefused("image_too_large", "image 1: too many pixels", "messages"), ImagesTooLargeError),
-        (RequestRefused("busy", "decoding other images", "messages", retry_after_s=1), GatewayBusyError),
-        (RequestRefused("overloaded", "full"), EngineOverloadedError),
-        (RequestRefused("invalid", "too long", "max_tokens"), InvalidRequestError),
-        (RequestRefused("internal", "a bug"), RuntimeError),
+        (Refusal("image", "image 1: not an image", "messages"), ImageInputError),
+        (Refusal("image_too_large", "image 1: too many pixels", "messages"), ImagesTooLargeError),
+        (Refusal("busy", "decoding other images", "messages", retry_after_s=1), GatewayBusyError),
+        (Refusal("overloaded", "full"), EngineOverloadedError),
+        (Refusal("invalid", "too long", "max_tokens"), InvalidRequestError),
+        (Refusal("internal", "a bug"), RuntimeError),
     ],
 )
 def test_refusals_become_typed_errors_and_are_not_retried(refusal, error):
@@ -156,9 +157,9 @@ def test_refusals_become_typed_errors_and_are_not_retried(refusal, error):
 @pytest.mark.parametrize(
     ("refusal", "status", "retry_after"),
     [
-        (RequestRefused("image", "image 1: not an image", "messages"), 400, None),
-        (RequestRefused("image_too_large", "image 1: too many pixels", "messages"), 413, None),
-        (RequestRefused("busy", "decoding other images", "messages", retry_after_s=2), 503, 2),
+        (Refusal("image", "image 1: not an image", "messages"), 400, None),
+        (Refusal("image_too_large", "image 1: too many pixels", "messages"), 413, None),
+        (Refusal("busy", "decoding other images", "messages", retry_after_s=2), 503, 2),
     ],
 )
 def test_image_refusals_reach_the_client_with_their_status(refusal, status, retry_after):

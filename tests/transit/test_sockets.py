@@ -11,7 +11,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from mmserve.transit.sockets import LinkInbox, LinkOutbox, SocketReader
+import msgspec
+
+from mmserve.transit.sockets import Arrivals, LinkInbox, LinkMessage, LinkOutbox, SocketReader
 from tests.support.zmq_ports import assert_bindable_soon
 
 
@@ -123,29 +125,70 @@ def _voluntary_switches(native_id: int) -> int:
     raise AssertionError("no voluntary_ctxt_switches line")
 
 
-def test_messages_arrive_in_order_small_and_large():
+class Blob(LinkMessage, frozen=True):
+    data: bytes
+
+
+def test_messages_arrive_in_order_small_and_large_numbered_in_their_outboxs_stream():
     async def run():
         inbox = LinkInbox("127.0.0.1")
         outbox = LinkOutbox(inbox.address)
         try:
             messages = [b"first", b"x" * 200_000, b"", b"last"]
             for message in messages:
-                outbox.send_nowait(message)
-            return messages, [await asyncio.wait_for(inbox.recv(), 5) for _ in messages]
+                outbox.send(Blob(message), msgspec.msgpack.encode)
+            received = [msgspec.msgpack.decode(await asyncio.wait_for(inbox.recv(), 5), type=Blob) for _ in messages]
+            return messages, received, outbox.stream
         finally:
             outbox.close()
             inbox.close()
 
-    sent, received = asyncio.run(run())
-    assert received == sent
+    sent, received, stream = asyncio.run(run())
+    assert [m.data for m in received] == sent
+    assert [(m.stream, m.seq) for m in received] == [(stream, 1), (stream, 2), (stream, 3), (stream, 4)]
+
+
+def _at(stream: int, seq: int) -> LinkMessage:
+    return LinkMessage(stream=stream, seq=seq)
+
+
+def test_arrivals_find_a_number_skipped_in_a_senders_newest_stream_and_only_there():
+    arrivals = Arrivals()
+    assert [arrivals.lost("a", _at(7, n)) for n in (1, 2, 3)] == [False, False, False]
+    assert arrivals.lost("a", _at(7, 5))  # 4 never came
+    assert not arrivals.lost("a", _at(7, 6))  # the stream goes on from there
+    assert not arrivals.lost("b", _at(7, 1))  # each sender its own
+    assert arrivals.lost("c", _at(3, 2))  # a stream first seen after its first message
+    assert not arrivals.lost("a", _at(8, 1))  # the sender's new stream (it connected anew) ...
+    assert not arrivals.lost("a", _at(7, 9))  # ... after which the old one's late messages show nothing
+    assert arrivals.lost("a", _at(8, 3))
+    arrivals.forget("a")
+    assert arrivals.lost("a", _at(8, 5))  # forgotten: as if first seen
+
+
+def test_a_message_given_up_is_skipped_and_its_receiver_finds_it_lost():
+    async def run():
+        inbox = LinkInbox("127.0.0.1")
+        outbox = LinkOutbox(inbox.address)
+        arrivals = Arrivals()
+        try:
+            outbox.send(Blob(b"1"), msgspec.msgpack.encode)
+            outbox.skip()
+            outbox.send(Blob(b"3"), msgspec.msgpack.encode)
+            return [arrivals.lost("o", msgspec.msgpack.decode(await asyncio.wait_for(inbox.recv(), 5), type=Blob)) for _ in range(2)]
+        finally:
+            outbox.close()
+            inbox.close()
+
+    assert asyncio.run(run()) == [False, True]
 
 
 def test_close_stops_the_thread_and_unbinds_the_address():
     async def run():
         inbox = LinkInbox("127.0.0.1")
         outbox = LinkOutbox(inbox.address)
-        outbox.send_nowait(b"one")
-        assert await asyncio.wait_for(inbox.recv(), 5) == b"one"  # the thread runs
+        outbox.send(Blob(b"one"), msgspec.msgpack.encode)
+        assert msgspec.msgpack.decode(await asyncio.wait_for(inbox.recv(), 5), type=Blob).data == b"one"  # the thread runs
         thread = inbox._reader._thread
         inbox.close()
         outbox.close()
