@@ -71,13 +71,14 @@ OWN_CLUSTER_TESTS = {
     "tests/e2e/test_engine_launch.py",
     "tests/e2e/test_multinode_colocation.py",
     "tests/e2e/test_ray_start_engine_pool.py",
+    "tests/e2e/test_cross_node_pixels.py",
     "tests/e2e/test_serve_run_logs.py",
     "tests/e2e/test_serve_run_ingress_env.py",
 }
 # Own-cluster modules too heavy to share the machine (a multi-node cluster of real vLLM engines beside
 # the whole suite overloads 2 cores: its nodes missed their health checks and were declared dead):
 # scripts/test.sh runs them after every other part has ended, alone (`-m alone`).
-ALONE_TESTS = {"tests/e2e/test_ray_start_engine_pool.py"}
+ALONE_TESTS = {"tests/e2e/test_ray_start_engine_pool.py", "tests/e2e/test_cross_node_pixels.py"}
 # What the other gateway tests share and an own-cluster test must not use (its process would make a
 # second copy: a second vLLM server and engine, a second app).
 SESSION_SHARED_FIXTURES = {"builtin_app", "vllm_app", "vllm_serve_reference"}
