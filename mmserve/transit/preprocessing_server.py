@@ -29,7 +29,7 @@ import zmq
 
 from ..multimodal.types import ImageBatchRequest, ProcessedImages
 from .preprocessing_link import (
-    CancelJobs, JobAnswer, PixelStore, PreprocessJob, Probe, ReleasePixels, answer_of, decode_message, encode,
+    CancelJobs, JobAnswer, PixelStore, PreprocessJob, Probe, answer_of, decode_message, encode,
 )
 from .refusals import Refusal
 from .sockets import Arrivals, LinkInbox, LinkOutbox

@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -294,6 +296,23 @@ def main() -> None:
         print(json.dumps(result), flush=True)
     finally:
         stop_cluster(workdir / "ray")
+
+
+def run_scenario(script: Path, model_dir: Path, prefix: str) -> dict:
+    """Run a `ray start` scenario (`script MODEL_DIR VLLM_PYTHON WORKDIR`) in a process of its own and
+    return the JSON line it prints last; whatever it leaves of its cluster is stopped."""
+    from tests.support.reference_venv import reference_python
+
+    workdir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))  # short: Ray's socket paths live under it
+    try:
+        proc = subprocess.run([sys.executable, str(script), str(model_dir), reference_python(), str(workdir)],
+                              capture_output=True, text=True, timeout=1500)
+    finally:
+        stop_cluster(workdir / "ray")  # if the scenario was killed (timeout) before it stopped its cluster
+        shutil.rmtree(workdir, ignore_errors=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1])
 
 
 def stop_cluster(ray_root: Path) -> None:

@@ -7,16 +7,11 @@ which Ray copied them from the head's, where the preprocessor wrote them."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.ray_start_pool_scenario import stop_cluster
-from tests.support.reference_venv import reference_python
+from tests.e2e.ray_start_pool_scenario import run_scenario
 
 pytestmark = pytest.mark.serve
 
@@ -25,16 +20,7 @@ SCENARIO = Path(__file__).with_name("cross_node_scenario.py")
 
 @pytest.mark.real_engine
 def test_image_chats_across_nodes_equal_vllm_serve_their_pixels_moved_by_ray(tiny_qwen2_vl_dir):
-    workdir = Path(tempfile.mkdtemp(prefix="mmxn", dir="/tmp"))  # short: Ray's socket paths live under it
-    try:
-        proc = subprocess.run([sys.executable, str(SCENARIO), str(tiny_qwen2_vl_dir), reference_python(), str(workdir)],
-                              capture_output=True, text=True, timeout=1500)
-    finally:
-        stop_cluster(workdir / "ray")  # if the scenario was killed (timeout) before it stopped its cluster
-        shutil.rmtree(workdir, ignore_errors=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(lines[-1])
+    result = run_scenario(SCENARIO, tiny_qwen2_vl_dir, "mmxn")
     print(f"cross-node pixels: {json.dumps({k: v for k, v in result.items() if k not in ('mmserve', 'vllm_serve')})}")
     assert result["mmserve"] == result["vllm_serve"] and all(result["mmserve"])
     # The preprocessor on the head, the engine client on the engine node: two object stores.

@@ -5,16 +5,11 @@ of its own: `ray_start_pool_scenario.py`)."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.ray_start_pool_scenario import stop_cluster
-from tests.support.reference_venv import reference_python
+from tests.e2e.ray_start_pool_scenario import run_scenario
 
 pytestmark = pytest.mark.serve
 
@@ -23,16 +18,7 @@ SCENARIO = Path(__file__).with_name("ray_start_pool_scenario.py")
 
 @pytest.mark.real_engine
 def test_the_engine_pool_scales_drains_survives_a_lost_node_and_leaves_nothing(tiny_qwen2_vl_dir):
-    workdir = Path(tempfile.mkdtemp(prefix="mmrs", dir="/tmp"))  # short: Ray's socket paths live under it
-    try:
-        proc = subprocess.run([sys.executable, str(SCENARIO), str(tiny_qwen2_vl_dir), reference_python(), str(workdir)],
-                              capture_output=True, text=True, timeout=1500)
-    finally:
-        stop_cluster(workdir / "ray")  # if the scenario was killed (timeout) before it stopped its cluster
-        shutil.rmtree(workdir, ignore_errors=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(lines[-1])
+    result = run_scenario(SCENARIO, tiny_qwen2_vl_dir, "mmrs")
     print(f"ray start engine pool: {json.dumps(result)}")
     # 1. One engine to two under load and back to one, no request failed (the engine taken away drained).
     assert result["ramp"]["requests"] >= 50 and result["ramp"]["failed"] == [], result["ramp"]
