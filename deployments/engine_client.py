@@ -110,7 +110,7 @@ class EngineClientDeployment:
         return channel
 
     def _node_lost_from_thread(self, loop: asyncio.AbstractEventLoop) -> None:
-        """This node's raylet is gone: Ray would end this process ≈3 s later, its callers learning
+        """This node's raylet is gone: Ray would end this process seconds later, its callers learning
         only then. Fail every request at once over the callers' links, then exit; if the loop cannot
         do it within `NODE_LOST_EXIT_S`, exit anyway."""
         loop.call_soon_threadsafe(lambda: loop.create_task(self._node_lost(), name="node-lost"))

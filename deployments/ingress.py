@@ -117,10 +117,8 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 # Serve settings of the ingress replicas' own processes, set here rather than left to whoever starts
 # Ray. User code on the replica's own event loop, where its HTTP server (Serve's direct ingress) runs:
 # with Serve's default, a second loop in a thread of its own, every request and every SSE chunk
-# crosses between the two threads. Measured against vLLM's server, 3 runs each (`bench/RESULTS.md` §0):
-# the Ingress 17.3 against 21.7 ms of CPU per 64-token stream at c=1, 6.0 against 7.2 at c=32, about
-# the same per image request. The ingress's blocking work runs in threads of its own (`off_loop`), so the
-# shared loop does not delay Serve's health checks.
+# crosses between the two threads. The ingress's blocking work runs in threads of its own
+# (`off_loop`), so the shared loop does not delay Serve's health checks.
 INGRESS_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 # Half a CPU each: Serve spreads them over the nodes with room (`ingress_actor_options`).
 INGRESS_CPUS = 0.5
@@ -172,7 +170,7 @@ class Ingress:
             logger.warning(
                 "this ingress replica runs without %s (a Serve config that sets the Ingress's ray_actor_options "
                 "replaces the runtime_env the application gives it): its code runs in a thread of its own, "
-                "about 20%% more CPU per stream; put %s in that runtime_env's env_vars (README, Performance)",
+                "more CPU per stream; put %s in that runtime_env's env_vars",
                 ", ".join(f"{name}={INGRESS_REPLICA_ENV[name]}" for name in missing), INGRESS_REPLICA_ENV,
             )
         key = settings.api_key or os.environ.get("MMSERVE_API_KEY") or None

@@ -119,7 +119,7 @@ class PreprocessorDeployment:
         self.link = PreprocessingServer(self._answer, node_ip(), RayPixelStore())
         self.replica = replica_ids()[1]
         self._attachments = HeldCalls("ending its attachment and cancelling its jobs")
-        warm_up_resize()  # compiling the resize takes ≈2 s (0.3 s from numba's cache): now, not in a request
+        warm_up_resize()  # compiling the resize takes seconds (less from numba's cache): now, not in a request
         logger.info(
             "preprocessor for %s images (pixel mode %s; image resize path: %s; %d pixel thread(s))",
             self.preprocessor.family.name, settings.pixel_mode, resize_path(), settings.pixel_threads,

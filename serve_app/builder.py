@@ -57,8 +57,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if os.environ.get(HA_PROXY_FLAG) != "1":
         # Said in the `serve run` process, whose output the user watches; Ray starts with it.
         logging.getLogger("ray.serve").warning(
-            "%s is not set: Serve's Python proxy relays every request and SSE chunk (a quarter of the gateway's "
-            "CPU per request, measured at 32 streams); start Ray with %s=1 (README, `cluster/`)", HA_PROXY_FLAG, HA_PROXY_FLAG,
+            "%s is not set: Serve's Python proxy relays every request and SSE chunk, a large share of the "
+            "gateway's CPU; start Ray with %s=1 (README, `cluster/`)", HA_PROXY_FLAG, HA_PROXY_FLAG,
         )
     actor_options, placement = _engine_client_placement(config)
     engines = []

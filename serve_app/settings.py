@@ -111,8 +111,7 @@ def preprocessor_settings(config: AppConfig) -> PreprocessorSettings:
         ),
         cache_bytes=images.cache_bytes,
         pixel_mode=images.pixel_mode,
-        # As many as the cores Ray reserves for the replica: more threads on the same cores only
-        # add switching (8.3 vs 7.1 ms of CPU per image, 8 requests on one core: bench/pixel_threads_bench.py).
+        # As many as the cores Ray reserves for the replica: more threads on the same cores only add switching.
         pixel_threads=max(1, int(config.preprocessor.num_cpus)),
         max_ongoing_requests=config.preprocessor.max_ongoing_requests,
         max_queued_requests=config.preprocessor.max_queued_requests,

@@ -6,6 +6,8 @@
   package but pyzmq, msgspec and numpy). Nothing imports vllm, torch or transformers.
 - No module over 400 lines, no class over 250 lines.
 - Every module opens with a docstring whose first line says what it holds.
+- No measurement, benchmark reference or dated history in the production code: a comment says why,
+  and numbers go stale with the next change (they live in `bench/RESULTS.md`).
 - Every function, method and class is used by production code: code only tests call lives in
   the tests (decorated ones are registered by their decorator: routes, validators, handlers).
 
@@ -17,6 +19,7 @@ few methods that operators call, each with its reason.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,6 +240,22 @@ def _names_used() -> set[str]:
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 used.update(node.value.replace(".", " ").replace(":", " ").split())
     return used
+
+
+# Dates, references to the benchmarks and their results, what was measured, timings and speed-ups.
+MEASUREMENT = re.compile(
+    r"\b20\d\d-\d\d-\d\d\b|bench/|RESULTS\.md|\bmeasured\b(?! the image)|\b\d[\d.]* ?(ms|µs|GB/s)\b|"
+    r"\b\d[\d.]* ?[x×] (faster|slower|cheaper)\b|\d ?%(?!\()"
+)
+
+
+def test_no_measurements_or_history_in_the_code():
+    found = [
+        f"{module.rel}:{number}: {line.strip()}"
+        for module in MODULES for number, line in enumerate(module.path.read_text().splitlines(), 1)
+        if MEASUREMENT.search(line)
+    ]
+    assert found == [], "measurements or dated history in production code (they belong in bench/RESULTS.md):\n" + "\n".join(found)
 
 
 def test_production_code_is_used_by_production_code():

@@ -1,8 +1,8 @@
 """The last check before an ADD leaves for the engine: `admit` and `InvalidRequestError`.
 
 vLLM's engine trusts its front-end: a prompt longer than the context, an inconsistent
-multimodal placeholder or a duplicate request id kills the whole engine process (all of them
-measured on vLLM 0.32). Every path to the engine goes through `admit`, so nothing reaches it
+multimodal placeholder or a duplicate request id kills the whole engine process (vLLM 0.32's
+engine core). Every path to the engine goes through `admit`, so nothing reaches it
 unchecked, whatever the caller validated before. It reads only wire structs: image
 placeholders are expanded before this, with the images (`mmserve.multimodal.features`).
 """

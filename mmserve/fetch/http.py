@@ -93,7 +93,7 @@ def _host_header(target: _Target) -> str:
 
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
-    """httpx's default verifying context (certifi roots), built once: loading the roots takes ~10 ms."""
+    """httpx's default verifying context (certifi roots), built once: loading the roots is not free."""
     return httpx.create_ssl_context()
 
 

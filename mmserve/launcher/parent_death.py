@@ -2,12 +2,10 @@
 
 An engine must not outlive the process that started it (a killed replica or launcher would leave it
 running, holding a connection and memory), so its children ask Linux for a signal when their parent
-goes (`PR_SET_PDEATHSIG`). That request used to be made in the child between `fork` and `exec`
-(`Popen(preexec_fn=...)`), which makes `subprocess` fork the whole Ray worker and run Python in the
-copy, and in that copy a gRPC thread of Ray's aborted the process ("Other threads are currently
-calling into gRPC, skipping fork() handlers", then `epoll_wait: Bad file descriptor`, SIGABRT): seen
-once in a full run of the suite, a built-in engine that never started. Without `preexec_fn`,
-`subprocess` starts the child with `vfork`+`exec` and runs nothing of ours in between.
+goes (`PR_SET_PDEATHSIG`). Not from `Popen(preexec_fn=...)`: that makes `subprocess` fork the whole
+Ray worker and run Python in the copy, where a gRPC thread of Ray's can abort the process ("Other
+threads are currently calling into gRPC, skipping fork() handlers", then SIGABRT). Without
+`preexec_fn`, `subprocess` starts the child with `vfork`+`exec` and runs nothing of ours in between.
 
 So the child is a tiny interpreter (`-S`: the standard library only) that makes the request itself,
 checks that the parent it was started by is still its parent (if not, the parent died before the

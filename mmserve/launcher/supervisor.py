@@ -5,7 +5,7 @@
 - restarts it when it exits, after a back-off that doubles up to a cap (reset once a process
   lived long enough), and on request (`restart`: the engine client declared the engine hung, or
   waits on a new handshake address);
-- stops it (`stop`): SIGCONT + SIGTERM (vLLM stops its EngineCore children itself in ≈3 s), then
+- stops it (`stop`): SIGCONT + SIGTERM (vLLM stops its EngineCore children itself), then
   SIGKILL to every process of the tree that is left — the tree is listed from /proc before the
   signals, since orphans are re-parented away from us as soon as their parent dies.
 
@@ -72,8 +72,8 @@ def process_tree(root: int) -> list[int]:
     """`root` and all its descendants (Linux /proc), root first.
 
     Read from each process's threads' `children` lists (a few files for an engine's tree), not by
-    reading every process's `stat` (≈1 ms per look with a Ray node's hundred processes, twice a
-    second for an engine's whole life); the full scan where the kernel has no such lists."""
+    reading every process's `stat` (a Ray node's hundred processes, twice a second for an engine's
+    whole life); the full scan where the kernel has no such lists."""
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()

@@ -2,7 +2,7 @@
 
 Decoding is where an image request's memory goes: a replica decoding 50 MP images for all
 its `max_ongoing_requests` at once would need gigabytes (decode to RGB, then the exact resize's
-intermediates: 10 to 17 bytes per source pixel, measured). A request's demand is known from the
+intermediates hold several times the source's pixels). A request's demand is known from the
 image headers before anything is decoded, so a request is admitted only if its demand fits
 beside what the replica is decoding already; otherwise it is refused at once (503, the client
 retries, possibly on another replica) rather than queued holding its fetched bytes.

@@ -3,9 +3,8 @@
 CPU-heavy (decode, resize, patchify), so it runs in its own autoscaled deployment; fetches run
 concurrently, and pixel work runs on the replica's own pixel threads (as many as the CPUs it
 reserves, one by default), so the replica keeps accepting requests while the work itself never
-runs on more threads than it has cores: eight requests' pixels on one core cost 8.3 ms of CPU per
-image spread over six threads (asyncio's default pool here), 7.1 ms taken one after another
-(`bench/pixel_threads_bench.py`). A cached image needs no pixel thread at all. Every limit
+runs on more threads than it has cores (more threads on the same cores only add switching). A
+cached image needs no pixel thread at all. Every limit
 is checked before the step it protects: the image count before any fetch, the byte size while
 fetching, the pixel count from every header before any decoding, and then the replica's pixel
 budget (`pixel_budget.py`), at once, before a request waits for a pixel thread.
@@ -29,8 +28,8 @@ from .pixel_budget import BUSY_RETRY_AFTER_S, PixelBudget
 from .types import ImageBatchRequest, PixelMode, ProcessedImage, ProcessedImages
 
 
-# A request's encoded images are hashed for the cache on the event loop up to this size (≈0.5 ms),
-# beyond it on a worker thread, so that a request of large images never stalls the other requests.
+# A request's encoded images are hashed for the cache on the event loop up to this size (a short
+# stall), beyond it on a worker thread, so that a request of large images never stalls the others.
 HASH_ON_LOOP_MAX_BYTES = 1 << 20
 
 

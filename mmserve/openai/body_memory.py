@@ -124,9 +124,8 @@ def map_large_blocks_separately(threshold_bytes: int = 128 * 1024) -> bool:
     """Blocks from `threshold_bytes` up get their own mapping, given back to the OS when freed.
 
     glibc's default threshold grows to the size of the largest block freed (up to 32 MiB), so
-    after one large body the next ones are carved from the heap, where freed memory stays: an
-    ingress replica kept +82 MB a minute after an abuse run (bench/abuse_bench.py), +5 MB with a
-    fixed threshold. Setting it also turns glibc's growth off. False where this is not glibc.
+    after one large body the next ones are carved from the heap, where freed memory stays. Setting
+    it also turns glibc's growth off. False where this is not glibc.
     """
     mallopt = getattr(_glibc(), "mallopt", None)
     return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, threshold_bytes))
@@ -136,10 +135,9 @@ class HeapTrimmer:
     """Gives the heap memory a large body leaves behind back to the OS, shortly after it is freed.
 
     glibc keeps freed memory in its arenas, and a freed 30 MB body raises its mmap threshold so that
-    the next ones are carved from the heap too: without this, an ingress replica kept +350 MB after
-    an abuse run (bench/abuse_bench.py). `malloc_trim(0)` costs ≈15 ms per 350 MB freed; requests
-    coalesce into at most one call per `delay_s`, on the event loop (the last request is always
-    followed by a call).
+    the next ones are carved from the heap too, where freed memory stays. `malloc_trim(0)` takes
+    time in proportion to what it frees, so requests coalesce into at most one call per `delay_s`,
+    on the event loop (the last request is always followed by a call).
     """
 
     def __init__(self, delay_s: float = 0.5, trim: Callable[[], object] | None = None) -> None:

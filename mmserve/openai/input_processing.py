@@ -42,8 +42,8 @@ from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Sam
 from .settings import ServingSettings
 from .tool_calls import template_tools
 
-# Prompts with at least this many characters of text are templated and tokenized off the
-# event loop (≈1 µs per character: 32 k characters block the loop for ≈30 ms).
+# Prompts with at least this many characters of text are templated and tokenized off the event
+# loop: their work, proportional to their length, would hold up every other request's.
 PROMPT_INLINE_CHARS = 32 * 1024
 # Worker threads for long prompts, per ingress replica; more would only compete for the cores.
 PROMPT_THREADS = 2
@@ -234,9 +234,8 @@ class InputProcessor:
 
     async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
         """`work(*args)` in the prompt pool: for the grammar compiler's parse of a request's structured
-        outputs or tool schemas, which takes ≈2 ms for a 50-property schema, ≈40 ms for a 256 KiB
-        grammar and up to vLLM's 5 s timeout for a regex, none of it on the event loop the replica's
-        other streams run on."""
+        outputs or tool schemas, which grows with the schema or grammar (up to vLLM's 5 s timeout for a
+        regex), none of it on the event loop the replica's other streams run on."""
         return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, work, *args)
 
     # ------------------------------------------------------------------ sampling

@@ -12,7 +12,7 @@ Order, each step cheaper than the one it protects:
    (before any base64 decoding; 413 for either), and the bytes outside them against the text
    cap (413), so that the structure pydantic will build stays small whatever the body's size;
 4. a msgspec pass over the body's shape (messages, content parts, stop strings, tools) with the
-   configured counts as `max_length` constraints, ≈20× cheaper than the pydantic parse it guards;
+   configured counts as `max_length` constraints, far cheaper than the pydantic parse it guards;
 5. only then pydantic (`protocol.py`), which gives the field-by-field 400s.
 
 Plain classes, testable without Ray or HTTP; the ingress deployment wires them to Starlette.

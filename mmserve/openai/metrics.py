@@ -22,8 +22,7 @@ logger = logging.getLogger("mmserve.requests")
 
 # The request line goes to the replica's log file only, never to its stderr (Serve's console handler
 # honours `log_to_stderr`, as for its controller's routine lines): a line on stderr is read by Ray's log
-# monitor, published through GCS and printed by `serve run`'s driver, four processes' work per request
-# (`bench/RESULTS.md` §0, "The request lines off the console").
+# monitor, published through GCS and printed by `serve run`'s driver, four processes' work per request.
 _FILE_ONLY = {"log_to_stderr": False}
 
 # The status recorded for a request whose client went away before its answer (nginx's

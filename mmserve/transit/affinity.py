@@ -47,7 +47,7 @@ _IMAGE_KEY_SLICES, _IMAGE_KEY_SLICE_CHARS = 64, 512
 
 def image_key(url: str) -> bytes:
     """A routing key for an image reference. Hashing (or even encoding) data URIs of up to
-    8 × 27 MB whole would cost the ingress's event loop ≈50 ms per request, so long ones are keyed
+    8 × 27 MB whole would stall the ingress's event loop for every request, so long ones are keyed
     by their length and 64 evenly spaced 512-character slices (the ends included): two different
     encoded images agreeing on all of those are not a realistic case, and would only cost a cold cache."""
     if len(url) <= IMAGE_KEY_FULL_CHARS:

@@ -20,9 +20,8 @@ flight between the two fails, and is tried once more where nothing has been gene
 
 An inbox is read by a thread of its own with blocking receives (`SocketReader`), not through pyzmq's
 asyncio socket, whose every message costs a future, an `EVENTS` query and a re-arm of the loop's
-reader: a thread blocked in `recv` costs the receive and, per burst, one `call_soon_threadsafe`
-(`bench/inbox_bench.py`: 89 µs of CPU per message against 165 at one message every 2 ms, an engine
-step at one stream), and a loop that lags takes every waiting message at once. The thread owns the
+reader: a thread blocked in `recv` costs the receive and, per burst, one `call_soon_threadsafe`, and
+a loop that lags takes every waiting message at once. The thread owns the
 socket from its start (a ZMQ socket is used by one thread) and blocks with no timeout, so a silent
 socket costs nothing. `close` stops it at once: the socket is also bound to an `inproc://` address
 of its own, where `close` sends a random stop token; the thread, on receiving it, closes the socket

@@ -77,7 +77,7 @@ def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
     """The same decode and conversion as `decode_rgb`, as a loaded PIL image in mode RGB.
 
     The model families' `process` accepts it directly: with pillow-simd the resize then runs on it as it
-    is, skipping the copy out to numpy and back (about 0.5-1.5 ms per megapixel image).
+    is, skipping the copy out to numpy and back.
     """
     with _opened(data, limits) as image:
         try:
@@ -95,7 +95,7 @@ def rgb_array(image: Image.Image) -> np.ndarray:
     """An RGB PIL image -> a C-contiguous, read-only uint8 array [H, W, 3] over one fresh copy of its pixels.
 
     `np.asarray(image)` goes through `Image.tobytes`, which encodes in 64 kB chunks and joins them
-    (two copies, ~5x slower than one): here the raw encoder writes the whole image in one call.
+    (two copies): here the raw encoder writes the whole image in one call.
     """
     if image.mode != "RGB":
         raise ValueError(f"expected an RGB image, got mode {image.mode}")

@@ -19,8 +19,6 @@ Three implementations, all byte-identical to torch; `resize_path()` names the on
   numpy path (`scripts/install_pillow_simd.sh` builds it into the project venv; stock Pillow's bicubic
   differs from torch and is never used);
 - "numpy-exact", when numba is not installed: float matrix products that are exact (`resize_numpy.py`).
-Per image, decode included, against Hugging Face's processor on one core: 1.12x / 1.42x / 0.86x at
-640x480 (bench/results/preprocess-2026-12-06.md).
 
 The model pipelines call `resize_channels`, which takes an RGB array or an RGB PIL image (from
 `image_io.decode_image`) and returns the three channel planes, each C-contiguous: with pillow-simd a

@@ -13,9 +13,7 @@ writes channels-first planes (what the model modules read next) directly.
 
 Compiled once per machine and cached on disk (see `_compiled`; the Preprocessor loads or compiles it at
 start, `compile_all`); `nogil`,
-so the Preprocessor's pixel threads resize in parallel. Per image, decode included, on one core: 1.12x
-Hugging Face's processor at 640x480, 1.03x at 1280x960 (the numpy path 0.86x and 0.77x, pillow-simd
-1.42x and 1.29x; bench/results/preprocess-2026-12-06.md).
+so the Preprocessor's pixel threads resize in parallel.
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ def _compiled(function):
 
 
 # Output columns (and transposed input columns) handled together: the scatter between layouts then
-# writes BLOCK pixels of one row at a time instead of one pixel per row (measured 10-30% faster at
-# 1920x1080, the same at 640x480; the block's accumulators, BLOCK x H x 3 int32, stay in L2).
+# writes BLOCK pixels of one row at a time instead of one pixel per row, while the block's
+# accumulators (BLOCK x H x 3 int32) stay in L2.
 BLOCK = 16
 
 

@@ -7,8 +7,8 @@ partial sum is an integer times 2**-p; as long as those integers stay below 2**2
 torch's shift. The dtype is chosen per axis from that bound (float64 only for strong downscales, about
 2x and more).
 
-Speed, one core, 1280x960 -> 1148x840: about 9-11 ms here against torch's 4.5 ms AVX2 kernel; most of
-it is memory passes numpy cannot fuse (uint8->float panels, rounding, clamping), not arithmetic.
+It is slower than torch's own kernel: most of its time is memory passes numpy cannot fuse
+(uint8->float panels, rounding, clamping), not arithmetic.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from .resize import CropBox, axis_weights
 
 # Outputs per dense weight block. A block of n outputs reads about n * scale + taps inputs, so smaller
 # blocks waste fewer multiplications on the zeros outside the band, larger ones make fewer, better-shaped
-# BLAS calls. About 16 outputs measured fastest near scale 1; for strong downscales fewer (env override
-# for experiments: MMSERVE_RESIZE_BLOCK).
+# BLAS calls; 16 balances the two near scale 1 (env override for experiments: MMSERVE_RESIZE_BLOCK).
 _BLOCK_INPUTS = int(os.environ.get("MMSERVE_RESIZE_BLOCK", "16"))
 
 
@@ -111,8 +110,8 @@ def _horizontal(rgb_rows: np.ndarray, plan: _AxisPlan, out_lo: int, out_hi: int)
     Each weight block reads a narrow window of input columns. BLAS reads such a window slowly from a
     wide row-major image (every row is a separate cache line), so each window is converted from uint8
     straight into its own small contiguous channels-first panel (which also replaces a whole-image
-    uint8->float conversion). Rounding runs once over the whole result: rounding each block's strided
-    output columns separately measured slower.
+    uint8->float conversion). Rounding runs once over the whole result, not per block's strided
+    output columns.
     """
     height = rgb_rows.shape[0]
     result = np.empty((3 * height, out_hi - out_lo), dtype=plan.dtype)
