@@ -12,9 +12,9 @@ after the other, never at the same time. Each run starts both afresh, in this or
   its children (EngineCore, worker) are the engine.
 - **mmserve**: started exactly as README tells users: `.venv/bin/serve run serve_app:build_app model=…
   served_model_name=… engines=tcp://127.0.0.1:PORT handshake_timeout_s=600 health_check_timeout_s=30`
-  from the repository root, with the `NAME=value` settings README's quick-start command puts before
-  `.venv/bin/serve` (parsed from README.md; `--serve-env` adds or overrides) and no other `RAY_*`
-  variable, on README's HTTP port. Its engine is the same `vllm serve --headless` with the same flags
+  from the repository root, with the Ray instance's settings README's quick start gives it
+  (`cluster/ray.env`; `--serve-env` adds or overrides) and no other `RAY_*` variable, on README's HTTP
+  port. Its engine is the same `vllm serve --headless` with the same flags
   and environment, launched by the application (`engine_launch=…`: its launcher actor's child, in Ray's
   session), README's usual way. With `--mmserve-engine headless` (the default before 2026-12-06), the
   engine (`HeadlessVllmEngine`) is started beside `serve run` instead, in a session of its own, and
@@ -109,7 +109,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from tests.support.reference_venv import reference_python, reference_vllm_version  # noqa: E402
-from tests.support.serve_process import readme_ray_settings  # noqa: E402
+from tests.support.serve_process import ray_instance_settings  # noqa: E402
 from tests.support.tiny_models import build_tiny_qwen2_vl  # noqa: E402
 from tests.support.vllm_engines import HeadlessVllmEngine, VllmApiServer, free_tcp_port  # noqa: E402
 from tests.support.vllm_reference import VLLM_CPU_ENV  # noqa: E402
@@ -576,15 +576,15 @@ def run_vllm(run: int, model_dir: Path, work: Path, bodies: dict[str, list[dict[
 
 
 def readme_quick_start() -> tuple[str, dict[str, str], int]:
-    """README's quick-start line that runs `serve run serve_app:app`, the `NAME=value` settings before
-    `.venv/bin/serve` in its `&&` segment (the test suite's parser), and the port the quick start serves on."""
+    """README's quick-start line that runs `serve run serve_app:app`, the Ray instance's settings it gives
+    (`cluster/ray.env`), and the port the quick start serves on."""
     section = (REPO / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
     line = next((ln for ln in (block.group(1) if block else "").splitlines() if "serve run serve_app:app" in ln), None)
     if line is None:
         raise RuntimeError("README's quick start has no ```bash line with `serve run serve_app:app`")
     port = re.search(r"http://127\.0\.0\.1:(\d+)", section)
-    return line.strip(), readme_ray_settings(), int(port.group(1)) if port else 8000
+    return line.strip(), ray_instance_settings(), int(port.group(1)) if port else 8000
 
 
 def port_is_free(port: int) -> bool:
@@ -975,8 +975,8 @@ def write_report(out: Path, runs: list[SystemRun], meta: dict[str, Any]) -> str:
         title, "",
         f"Command: `{meta['command']}` ({meta['runs']} run(s), {meta['duration_s'] / 60:.1f} min).",
         meta["machine"], "",
-        f"mmserve: `{meta['serve_command']}` from the repository root: the settings README's quick start puts before "
-        f"`.venv/bin/serve` (`{meta['readme_line']}`) plus --serve-env, and no other `RAY_*` variable; "
+        f"mmserve: `{meta['serve_command']}` from the repository root: the Ray instance's settings README's quick start gives "
+        f"it (`{meta['readme_line']}`, `cluster/ray.env`) plus --serve-env, and no other `RAY_*` variable; "
         f"image resize path: {', '.join(sorted(meta['resize_paths'])) or '–'}. Engine (both systems): `{meta['engine_flags']}`; "
         f"mmserve's {'started on its own (`--headless`, its own session)' if meta['mmserve_engine'] == 'headless' else 'launched by the application (`engine_launch`, in Ray’s session)'}. "
         f"Placement: {meta.get('engine_node') or 'every process on every CPU (one shared node)'}.",

@@ -37,6 +37,7 @@ from mmserve.openai.serving import OpenAIServer
 from mmserve.openai.settings import ServingSettings
 from mmserve.openai.sse import ErrorEvent
 
+from .replica_env import INGRESS_REPLICA_ENV, runtime_env
 from .replica_logs import log_package_to_replica
 from .router import engine_router
 
@@ -114,12 +115,6 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), loc or None
 
 
-# Serve settings of the ingress replicas' own processes, set here rather than left to whoever starts
-# Ray. User code on the replica's own event loop, where its HTTP server (Serve's direct ingress) runs:
-# with Serve's default, a second loop in a thread of its own, every request and every SSE chunk
-# crosses between the two threads. The ingress's blocking work runs in threads of its own
-# (`off_loop`), so the shared loop does not delay Serve's health checks.
-INGRESS_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 # Half a CPU each: Serve spreads them over the nodes with room (`ingress_actor_options`).
 INGRESS_CPUS = 0.5
 
@@ -127,7 +122,7 @@ INGRESS_CPUS = 0.5
 def ingress_actor_options(resources: dict[str, float]) -> dict[str, Any]:
     """An ingress replica's Ray actor options, with the extra Ray resources that say where it may
     run (`ingress_resources`); its runtime environment always (see `INGRESS_REPLICA_ENV`)."""
-    return {"num_cpus": INGRESS_CPUS, "resources": dict(resources), "runtime_env": {"env_vars": dict(INGRESS_REPLICA_ENV)}}
+    return {"num_cpus": INGRESS_CPUS, "resources": dict(resources), "runtime_env": runtime_env(INGRESS_REPLICA_ENV)}
 
 
 # No access line of Serve's per request: the request line (`mmserve.requests`, in the replica's log

@@ -30,9 +30,10 @@ from mmserve.transit.replica_admission import ReplicaAdmission
 from mmserve.vision import resize_path, warm_up_resize
 
 from .caller_watch import HeldCalls
-from .pixel_store import OBJECT_REF_ENV, RayPixelStore
+from .pixel_store import RayPixelStore
 from .preprocessor_autoscaling import PREPROCESSOR_REQUESTS_METRIC, preprocessor_load_policy
 from .ray_node import node_ip, replica_ids
+from .replica_env import PIXEL_REPLICA_ENV, runtime_env
 from .replica_logs import log_package_to_replica
 from .replica_router import NamedReplicaRouter
 
@@ -79,7 +80,7 @@ class PreprocessorScaling:
         leave room for the engine clients' attachments."""
         return {
             "ray_actor_options": {
-                "num_cpus": self.num_cpus, "resources": dict(self.resources), "runtime_env": {"env_vars": dict(OBJECT_REF_ENV)},
+                "num_cpus": self.num_cpus, "resources": dict(self.resources), "runtime_env": runtime_env(PIXEL_REPLICA_ENV),
             },
             "max_ongoing_requests": ATTACHMENTS_PER_REPLICA,
             "autoscaling_config": AutoscalingConfig(

@@ -29,9 +29,9 @@ ENGINE_APPLICATION_DRAIN_TIMEOUT_S = 600.0
 
 def _engine_client_placement(config: AppConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """An engine client's Ray actor options and placement group options."""
-    from deployments.pixel_store import OBJECT_REF_ENV
+    from deployments.replica_env import PIXEL_REPLICA_ENV
 
-    runtime_env = {"env_vars": dict(OBJECT_REF_ENV)}  # it holds references to pixels
+    runtime_env = {"env_vars": dict(PIXEL_REPLICA_ENV)}  # it holds references to pixels
     if config.engine_launch is None:
         return {"num_cpus": 0, "resources": dict(config.engine_client_resources), "runtime_env": runtime_env}, {}
     # Bundle 0: the engine client; bundle 1: its engine's launcher. STRICT_PACK puts both on one

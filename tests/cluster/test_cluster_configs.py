@@ -91,3 +91,27 @@ def test_kuberay_manifest_shape():
     assert {"RayService", "Service", "Deployment"} <= kinds
     service = next(d for d in docs if d["kind"] == "RayService")
     assert service["spec"]["rayClusterConfig"]["rayVersion"].startswith("2.60")
+
+
+def _ray_env() -> dict[str, str]:
+    lines = (CLUSTER / "ray.env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
+
+
+@pytest.mark.parametrize("name", ["ray-cluster.yaml", "ray-cluster-gpu.yaml"])
+def test_every_ray_start_of_a_cluster_launcher_file_takes_the_ray_instances_settings_from_ray_env(name):
+    config = yaml.safe_load((CLUSTER / name).read_text())
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in config[key] if "ray start" in c]
+    assert len(starts) == 2 and all("env $(grep -v '^#' /opt/mmserve/cluster/ray.env)" in c for c in starts), starts
+
+
+@pytest.mark.parametrize("name", ["kuberay-rayservice.yaml", "kuberay-rayservice-launch.yaml"])
+def test_every_ray_container_of_a_kuberay_file_has_ray_envs_settings(name):
+    """(A manifest cannot read the file: its containers list the same settings, checked here.)"""
+    service = next(d for d in yaml.safe_load_all((CLUSTER / name).read_text()) if d and d["kind"] == "RayService")
+    cluster = service["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", []) if "value" in e}
+            assert _ray_env().items() <= env.items(), (name, container["name"])

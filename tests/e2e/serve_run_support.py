@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from tests.support.haproxy import haproxy_config, healthy_ingress_replica_url
-from tests.support.serve_process import readme_ray_settings, sigint_as_default
+from tests.support.serve_process import ray_instance_settings, sigint_as_default
 from tests.support.vllm_engines import free_tcp_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ class ServeRun:
             "RAY_USAGE_STATS_ENABLED": "0",
             # As README starts it: HAProxy in front of the ingress replicas' own HTTP servers, and
             # Serve's intervals.
-            **readme_ray_settings(),
+            **ray_instance_settings(),
             # Stopping: no 30 s deregistration window per ingress replica (README, HAProxy paragraph).
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
             "PYTHONPATH": str(REPO),

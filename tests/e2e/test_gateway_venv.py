@@ -77,16 +77,17 @@ def test_serve_replicas_and_builtin_engine_run_from_this_venv(builtin_app) -> No
     _assert_runs_from_this_venv("built-in engine", psutil.Process(builtin_pid))
 
 
-def test_the_ingress_replica_gets_the_serve_settings_the_app_sets_for_it(builtin_app) -> None:
-    """Set by the application, not by whoever started Ray: the test's Ray instance was started
-    without them."""
-    from deployments.ingress import INGRESS_REPLICA_ENV
+def test_each_replica_gets_the_settings_the_app_sets_for_it(builtin_app) -> None:
+    """Set by the application, not by whoever started Ray (`cluster/ray.env` holds only the Ray
+    instance's): the test's Ray instance was started without them."""
+    from deployments.replica_env import INGRESS_REPLICA_ENV, PIXEL_REPLICA_ENV
 
-    assert not set(INGRESS_REPLICA_ENV) & set(os.environ)
+    assert not (set(INGRESS_REPLICA_ENV) | set(PIXEL_REPLICA_ENV)) & set(os.environ)
     replicas = _replica_processes(builtin_app.name)
-    environ = replicas["Ingress"].environ()
-    assert {key: environ.get(key) for key in INGRESS_REPLICA_ENV} == INGRESS_REPLICA_ENV
-    assert not set(INGRESS_REPLICA_ENV) & set(replicas["EngineClient0"].environ())
+    for name, wanted in (("Ingress", INGRESS_REPLICA_ENV), ("EngineClient0", PIXEL_REPLICA_ENV), ("Preprocessor", PIXEL_REPLICA_ENV)):
+        environ = replicas[name].environ()
+        assert {key: environ.get(key) for key in wanted} == wanted, name
+    assert "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" not in replicas["EngineClient0"].environ()
 
 
 @pytest.mark.real_engine

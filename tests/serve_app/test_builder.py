@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from deployments.ingress import INGRESS_REPLICA_ENV
 from deployments.pixel_store import OBJECT_REF_ENV
+from deployments.replica_env import INGRESS_REPLICA_ENV, PIXEL_REPLICA_ENV
 from serve_app.builder import HA_PROXY_FLAG, build_app
 
 
@@ -39,7 +39,7 @@ def test_the_front_ends_replicas_ask_for_the_resources_the_config_names():
     # The ingress keeps its runtime environment and CPUs whatever the resources.
     assert ingress["runtime_env"] == {"env_vars": INGRESS_REPLICA_ENV} and ingress["num_cpus"] == 0.5
     assert _ingress_and_preprocessor({}) == ({"num_cpus": 0.5, "resources": {}, "runtime_env": {"env_vars": INGRESS_REPLICA_ENV}},
-                                             {"num_cpus": 1.0, "resources": {}, "runtime_env": {"env_vars": OBJECT_REF_ENV}})
+                                             {"num_cpus": 1.0, "resources": {}, "runtime_env": {"env_vars": PIXEL_REPLICA_ENV}})
 
 
 @pytest.mark.parametrize("args", [{}, {"engine_pool": {"min_engines": 1, "max_engines": 2}}], ids=["engine-clients", "engine-pool"])
@@ -51,4 +51,4 @@ def test_the_replicas_holding_pixel_references_refuse_to_pickle_them_out_of_band
     bound += [arg._bound_deployment for value in ingress.init_args if isinstance(value, list) for arg in value]
     names = {deployment.name: deployment.ray_actor_options["runtime_env"] for deployment in bound}
     assert names.keys() == {"Preprocessor", "EnginePool" if args else "EngineClient0"}
-    assert all(env == {"env_vars": OBJECT_REF_ENV} for env in names.values())
+    assert all(env == {"env_vars": PIXEL_REPLICA_ENV} and OBJECT_REF_ENV.items() <= env["env_vars"].items() for env in names.values())

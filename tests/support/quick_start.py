@@ -1,7 +1,8 @@
 """README's quick start, run literally once per test session, in a fresh clone and venv.
 
-The command is read from README.md (the first ```bash block under "## Quick start") and run with bash
-in a fresh `git clone` of this repository's HEAD (commit first when running it by hand). While it
+The commands are read from README.md (the first ```bash block under "## Quick start", one command a
+line, each at most `MAX_COMMAND_CHARS`) and run in order with bash (`set -e`) in a fresh `git clone` of
+this repository's HEAD (commit first when running it by hand); the last one serves. While it
 serves, the `openai` client asks for `/v1/models`, a text chat, a streamed chat and an image chat (PNG
 data URI), and the resize path the service reports is read; then it is stopped. What it gave is kept in
 a `QuickStart`, and its venv (a user's install, made by README's command) is shared by the tests that
@@ -29,12 +30,14 @@ import numpy as np
 from tests.support.serve_process import REPO, ServeRunProcess, run_logged
 
 QUICK_START_PORT = 8000
+# What a reader takes in at a glance (and a terminal shows on one line).
+MAX_COMMAND_CHARS = 120
 
 
 @dataclass(frozen=True)
 class QuickStart:
-    clone: Path  # the fresh clone README's command ran in
-    command: str  # README's quick start command, as written
+    clone: Path  # the fresh clone README's commands ran in
+    commands: list[str]  # README's quick start commands, as written (the last one serves)
     model: str  # the model id /v1/models named
     resize_reports: tuple[set[str], str, set[str]]  # see resize_path_reports
 
@@ -43,13 +46,14 @@ class QuickStart:
         return self.clone / ".venv" / "bin"
 
 
-def readme_quick_start_command(readme: str) -> str:
+def readme_quick_start_commands(readme: str) -> list[str]:
     section = readme.split("## Quick start", 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
     assert block, "README's quick start has no ```bash block"
     lines = [l for l in block.group(1).strip().splitlines() if l.strip()]
-    assert len(lines) == 1, f"README's quick start must be a single command, found {lines}"
-    return lines[0]
+    assert lines and "serve run" in lines[-1], f"README's quick start must end with the command that serves: {lines}"
+    assert all(len(l) <= MAX_COMMAND_CHARS for l in lines), [l for l in lines if len(l) > MAX_COMMAND_CHARS]
+    return lines
 
 
 def wait_for_free_port(port: int, timeout_s: float = 300) -> None:
@@ -114,15 +118,16 @@ def resize_path_reports(serve: ServeRunProcess) -> tuple[set[str], str, set[str]
 
 def run_quick_start(tmp: Path) -> QuickStart:
     """Clone, run README's command until it serves, exercise it, stop it."""
-    command = readme_quick_start_command((REPO / "README.md").read_text())
+    commands = readme_quick_start_commands((REPO / "README.md").read_text())
     clone = tmp / "clone"
     run_logged(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(clone)], timeout_s=300)
     assert not (clone / ".venv").exists()
     wait_for_free_port(QUICK_START_PORT)
-    with ServeRunProcess(command, clone, tmp / "quickstart.log", QUICK_START_PORT).start(ready_timeout_s=1500) as serve:
+    script = "\n".join(["set -e", *commands])
+    with ServeRunProcess(script, clone, tmp / "quickstart.log", QUICK_START_PORT).start(ready_timeout_s=1500) as serve:
         model = exercise_with_openai(serve.base_url)
         reports = resize_path_reports(serve)
-    return QuickStart(clone=clone, command=command, model=model, resize_reports=reports)
+    return QuickStart(clone=clone, commands=commands, model=model, resize_reports=reports)
 
 
 class BackgroundQuickStart:

@@ -6,8 +6,6 @@ its own HTTP port and its own process group, so stopping it never touches anothe
 """
 
 import os
-import re
-import shlex
 import signal
 import subprocess
 import time
@@ -38,30 +36,27 @@ def run_logged(cmd: list[str], *, timeout_s: float, cwd: Path | None = None, env
     return proc
 
 
-def readme_ray_settings() -> dict[str, str]:
-    """The `NAME=value` settings README's quick-start command puts before `.venv/bin/serve`
-    (HAProxy, Serve's control loop and metrics intervals, ...): every `serve run` of the suite
-    starts its Ray instance with them, as a user does, and follows README when it changes."""
-    section = (REPO / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    line = next((ln for ln in (block.group(1) if block else "").splitlines() if "serve run serve_app:app" in ln), "")
-    segment = next((s for s in line.split("&&") if "serve run serve_app:app" in s), "")
-    settings: dict[str, str] = {}
-    for token in shlex.split(segment):
-        if token.endswith("bin/serve"):
-            break
-        name, sep, value = token.partition("=")
-        if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            settings[name] = value
+RAY_INSTANCE_ENV = REPO / "cluster" / "ray.env"
+
+
+def ray_instance_settings() -> dict[str, str]:
+    """The Ray instance's settings (`cluster/ray.env`, which README's quick start and `cluster/` give to
+    whatever starts Ray): every `serve run` of the suite starts its Ray instance with them, as a user does."""
+    settings = {}
+    for line in RAY_INSTANCE_ENV.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            settings[name.strip()] = value.strip()
     if settings.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
-        raise AssertionError(f"README's quick-start command lost its Ray settings: {segment!r}")
+        raise AssertionError(f"{RAY_INSTANCE_ENV} lost HAProxy: {settings}")
     return settings
 
 
 def serve_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VIRTUAL_ENV", "PYTHONPATH"))}
-    # As README starts it.
-    env.update(readme_ray_settings(), RAY_USAGE_STATS_ENABLED="0")
+    # As README starts it; the suite's own Ray instances without token authentication (its tests
+    # attach drivers to them).
+    env.update(ray_instance_settings(), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     # Stopping: no 30 s deregistration window per ingress replica (README, HAProxy paragraph).
     env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"
     return env
