@@ -43,12 +43,15 @@ MMSERVE_DEPENDS_ON: dict[str, set[str]] = {
     "mmserve.engine": {"mmserve.wire"},
     "mmserve.text": {"mmserve.model_files", "mmserve.tokenizer_files"},
     "mmserve.multimodal": {"mmserve.wire", "mmserve.model_files", "mmserve.fetch", "mmserve.vision", "mmserve.text"},
-    "mmserve.builtin_engine": {"mmserve.wire", "mmserve.model_files", "mmserve.launcher"},
+    # xgrammar's native parts without its torch-importing package (the gateway's spec checks, the built-in engine's structured outputs).
+    "mmserve.xgrammar_native": set(),
+    "mmserve.builtin_engine": {"mmserve.wire", "mmserve.model_files", "mmserve.launcher", "mmserve.xgrammar_native"},
     "mmserve.launcher": set(),
     # A request's travel between the tiers: links, their messages, routing (images as `ImageBatchRequest`).
     "mmserve.transit": {"mmserve.wire", "mmserve.engine", "mmserve.multimodal"},
     "mmserve.openai": {
         "mmserve.wire", "mmserve.transit", "mmserve.engine", "mmserve.text", "mmserve.multimodal", "mmserve.vision",
+        "mmserve.xgrammar_native",
     },
 }
 

@@ -16,6 +16,7 @@ from typing import Any
 from ..model_files import ModelConfig
 from .scheduler import GenerationRequest
 from .settings import BuiltinEngineSettings
+from .structured import GrammarFollower, vocab_of
 from .wire_engine_side import ReceivedRequest
 
 logger = logging.getLogger("mmserve.builtin_engine")
@@ -136,6 +137,14 @@ def new_generation(model: ModelInfo, settings: BuiltinEngineSettings, req: Recei
     prefix_tokens = len(model.encode(prefix)) if prefix and model.tokenizer is not None else 0
     natural = prefix_tokens + rng.randint(settings.min_answer_tokens, settings.max_answer_tokens)
     room = settings.max_model_len - len(prompt)
+    constraint = None
+    if s.structured_outputs is not None:
+        if model.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer.json")
+        eos = None if s.ignore_eos else s.eos_token_id
+        stops = frozenset(s.all_stop_token_ids)
+        vocab = vocab_of(model.tokenizer, model.vocab_size, tuple(sorted(stops)))
+        constraint = GrammarFollower(vocab, vocab.compile(s.structured_outputs), eos, stops)
     return GenerationRequest(
         request_id=req.request_id,
         client_index=req.client_index,
@@ -147,4 +156,5 @@ def new_generation(model: ModelInfo, settings: BuiltinEngineSettings, req: Recei
         all_stop_ids=frozenset(s.all_stop_token_ids),
         natural_len=natural,
         stream=stream,
+        constraint=constraint,
     )

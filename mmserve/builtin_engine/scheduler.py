@@ -10,8 +10,15 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..wire.engine_core import EngineCoreOutput, FinishReason, SchedulerStats
+
+
+class Constraint(Protocol):
+    """Chooses each token among those a structured-output grammar allows (`structured.GrammarFollower`)."""
+
+    def next_token(self, own: Iterator[int], long_enough: bool) -> int: ...
 
 
 @dataclass(eq=False)
@@ -27,10 +34,15 @@ class GenerationRequest:
     natural_len: int
     stream: Iterator[int]
     num_output: int = 0
+    # A structured-output grammar's choice of each token (which ends the answer itself).
+    constraint: Constraint | None = None
 
     def next_token(self) -> int:
         n = self.num_output
-        if self.eos is not None and n >= max(self.natural_len, self.min_tokens):
+        long_enough = n >= max(self.natural_len, self.min_tokens)
+        if self.constraint is not None:
+            return self.constraint.next_token(self.stream, long_enough)
+        if self.eos is not None and long_enough:
             return self.eos
         tok = next(self.stream)
         while n < self.min_tokens and tok in self.all_stop_ids:

@@ -161,6 +161,8 @@ class ReceivedSampling:
     stop_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
     all_stop_token_ids: set[int] = field(default_factory=set)
+    # vLLM's `StructuredOutputsParams` as sent (a map), None without a constraint.
+    structured_outputs: dict[str, Any] | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
 
@@ -214,6 +216,10 @@ def _decode_sampling(obj: Any) -> ReceivedSampling | None:
     s.all_stop_token_ids.update(s.stop_token_ids)
     if s.eos_token_id is not None:
         s.all_stop_token_ids.add(s.eos_token_id)
+    structured = obj.get("structured_outputs")
+    if structured is not None and not isinstance(structured, dict):
+        raise WireDecodeError("structured_outputs must be a map")
+    s.structured_outputs = structured
     return s
 
 

@@ -151,6 +151,20 @@ def prompt_logprobs(request: SamplingRequestFields, max_logprobs: int, vocab_siz
     return _checked_logprobs(requested, max_logprobs, vocab_size, engine_kind, "prompt")
 
 
+# Fields that shape a real model's token distribution, which mmserve's built-in engine does not have.
+BUILTIN_ENGINE_CANNOT_HONOUR = ("logit_bias", "allowed_token_ids", "bad_words")
+
+
+def check_engine_can_honour(request: SamplingRequestFields, engine_kind: str) -> None:
+    """A 400 for what the engine would silently ignore: the built-in engine has no token distribution
+    to bias (as it computes no logprobs); its structured outputs it follows."""
+    if engine_kind != "mmserve-builtin":
+        return
+    for name in BUILTIN_ENGINE_CANNOT_HONOUR:
+        if getattr(request, name, None):
+            raise bad_request(f"{name} is not honoured by mmserve's built-in engine (serve a vLLM engine for it)", name)
+
+
 def _checked_logprobs(requested: int, max_logprobs: int, vocab_size: int, engine_kind: str, kind: str = "sample") -> int:
     param = "logprobs" if kind == "sample" else "prompt_logprobs"
     if engine_kind == "mmserve-builtin":

@@ -51,6 +51,7 @@ class ChatServing:
         limits = await context.engine_limits()
         prompt_ids = await context.inputs.chat_prompt(request, limits)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        request_checks.check_engine_can_honour(request, limits.engine_kind)
         logprobs = request_checks.chat_logprobs(
             request, context.settings.limits.max_logprobs, context.inputs.tokenizer.vocab_size, limits.engine_kind
         )

@@ -41,6 +41,7 @@ class CompletionServing:
         limits = await context.engine_limits()
         prompt_ids = await context.inputs.completion_prompt(prompt, limits)
         max_logprobs, vocab_size = context.settings.limits.max_logprobs, context.inputs.tokenizer.vocab_size
+        request_checks.check_engine_can_honour(request, limits.engine_kind)
         logprobs = request_checks.completion_logprobs(request, max_logprobs, vocab_size, limits.engine_kind)
         prompt_logprobs = request_checks.prompt_logprobs(request, max_logprobs, vocab_size, limits.engine_kind)
         if request.echo and prompt_logprobs is None:

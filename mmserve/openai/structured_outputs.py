@@ -9,11 +9,11 @@ the field.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from typing import Any
 
 from mmserve.wire import StructuredOutputsParams
+from mmserve.xgrammar_native import is_lark
 
 from . import grammar_check
 from .errors import bad_request
@@ -180,11 +180,6 @@ def _check_regex(pattern: Any, param: str, what: str) -> None:
     check_with_compiler(grammar_check.check_regex, pattern, param, what)
 
 
-def _grammar_is_likely_lark(grammar: str) -> bool:
-    """vLLM's `grammar_is_likely_lark`: no line (comments removed) defines an EBNF rule (`::=`)."""
-    return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))
-
-
 def _check_grammar(grammar: str, param: str) -> None:
     if not grammar.strip():
         raise bad_request("structured_outputs.grammar cannot be an empty string", param)
@@ -192,7 +187,7 @@ def _check_grammar(grammar: str, param: str) -> None:
         raise bad_request(f"structured_outputs.grammar is limited to {MAX_GRAMMAR_CHARS} characters", param)
     if "\x00" in grammar:
         raise bad_request("structured_outputs.grammar must not contain a NUL character", param)
-    lark = _grammar_is_likely_lark(grammar)
+    lark = is_lark(grammar)
     check_with_compiler(grammar_check.check_lark if lark else grammar_check.check_ebnf, grammar, param,
             f"structured_outputs.grammar ({'Lark' if lark else 'EBNF'})")
 

@@ -80,12 +80,24 @@ VALID_EDGES: list[dict] = [
     {"response_format": {"type": "text"}},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}},
-    {"bad_words": ["sea"], "allowed_token_ids": [1, 2, 3, 300]},
-    {"logit_bias": {"5": 100, "7": -100}},
     {"n": 2, "temperature": 0.7, "top_k": -1},
     {"max_tokens": 1, "min_tokens": 1, "seed": 2**63 - 1, "temperature": 2.0, "top_p": 1e-9},
     {"stop": ["x" * 512] * 16, "presence_penalty": 2.0, "frequency_penalty": -2.0, "repetition_penalty": 2.0},
 ]
+
+
+# Valid, but they shape a real model's token distribution, which the built-in engine has not: a 400
+# naming the field, as its logprobs are (a vLLM engine serves them: the real engine's test below).
+BUILTIN_REFUSES = [{"bad_words": ["sea"]}, {"allowed_token_ids": [1, 2, 3, 300]}, {"logit_bias": {"5": 100, "7": -100}}]
+
+
+@pytest.mark.parametrize("fields", BUILTIN_REFUSES, ids=lambda fields: next(iter(fields)))
+def test_builtin_app_refuses_what_its_engine_cannot_honour_naming_the_field(builtin_app, builtin_client, fields):
+    [name] = fields
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}), ("/v1/completions", {"prompt": "hi"})):
+        resp = builtin_client.post(builtin_app.base_url + path, json={**body, "max_tokens": 4, **fields})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == name, resp.text
+        assert "built-in engine" in resp.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("fields", VALID_EDGES)

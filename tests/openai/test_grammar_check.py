@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mmserve import xgrammar_native
 from mmserve.openai import grammar_check
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,12 +22,12 @@ def _pin(text: str) -> str:
 
 
 def test_the_pinned_version_is_vllms_everywhere():
-    assert _pin((REPO / "scripts/constraints/gateway.txt").read_text()) == grammar_check.XGRAMMAR_VERSION
-    assert _pin((REPO / "scripts/constraints/reference.txt").read_text()) == grammar_check.XGRAMMAR_VERSION
-    assert f"GATEWAY_XGRAMMAR=xgrammar=={grammar_check.XGRAMMAR_VERSION}\n" in (REPO / "scripts/lock.sh").read_text()
+    assert _pin((REPO / "scripts/constraints/gateway.txt").read_text()) == xgrammar_native.XGRAMMAR_VERSION
+    assert _pin((REPO / "scripts/constraints/reference.txt").read_text()) == xgrammar_native.XGRAMMAR_VERSION
+    assert f"GATEWAY_XGRAMMAR=xgrammar=={xgrammar_native.XGRAMMAR_VERSION}\n" in (REPO / "scripts/lock.sh").read_text()
     import importlib.metadata
 
-    assert importlib.metadata.version("xgrammar") == grammar_check.XGRAMMAR_VERSION
+    assert importlib.metadata.version("xgrammar") == xgrammar_native.XGRAMMAR_VERSION
 
 
 def test_loading_the_parser_imports_no_torch_transformers_or_xgrammar_package():
@@ -53,9 +54,10 @@ def test_a_missing_xgrammar_stops_the_start_with_how_to_install_it(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xgrammar" else real_find_spec(name, *a))
     monkeypatch.delitem(sys.modules, "xgrammar", raising=False)
-    grammar_check._grammar_class.cache_clear()
+    monkeypatch.delitem(sys.modules, "_mmserve_xgrammar", raising=False)
+    xgrammar_native.xgrammar_module.cache_clear()
     try:
-        with pytest.raises(grammar_check.GrammarParserMissing, match="pip install --no-deps xgrammar==0.2.8"):
+        with pytest.raises(xgrammar_native.XgrammarMissing, match="pip install --no-deps xgrammar==0.2.8"):
             grammar_check.load_grammar_parser()
     finally:
-        grammar_check._grammar_class.cache_clear()
+        xgrammar_native.xgrammar_module.cache_clear()
