@@ -30,7 +30,7 @@ HEADER = """# Configuration
 The arguments of `serve_app:build_app` (and of `serve_app:build_engine_app`, one engine each). Give them
 on the command line, `serve run serve_app:build_app key=value ...` (JSON for lists and nested objects:
 `limits='{"max_n": 4}'`), or in `applications[].args` of a Serve config file (`cluster/`). Every limit is
-enforced before the work it protects; what a refusal means is in README's "Operations".
+enforced before the work it protects; what a refusal means is in README's "Operations" (its refusal table).
 
 Generated from `serve_app/config.py` by `scripts/config_reference.py`: edit the descriptions there.
 """

@@ -58,7 +58,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         # Said in the `serve run` process, whose output the user watches; Ray starts with it.
         logging.getLogger("ray.serve").warning(
             "%s is not set: Serve's Python proxy relays every request and SSE chunk, a large share of the "
-            "gateway's CPU; start Ray with %s=1 (README, `cluster/`)", HA_PROXY_FLAG, HA_PROXY_FLAG,
+            "gateway's CPU; start Ray with %s=1 (`cluster/ray.env`)", HA_PROXY_FLAG, HA_PROXY_FLAG,
         )
     actor_options, placement = _engine_client_placement(config)
     engines = []

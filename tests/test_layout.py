@@ -261,6 +261,37 @@ def test_no_measurements_or_history_in_the_code():
     assert found == [], "measurements or dated history in production code (they belong in bench/RESULTS.md):\n" + "\n".join(found)
 
 
+def _sections(markdown: str) -> dict[str, str]:
+    parts = re.split(r"^## (.+)$", markdown, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+DATED = re.compile(r"\b20\d\d-\d\d-\d\d\b|\bcommit [0-9a-f]{7}\b|\bmain at\b")
+
+
+def test_readme_is_a_users_guide_with_its_numbers_in_one_table():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250, "README is the front door: keep it under 250 lines (details in docs/)"
+    sections = _sections(readme)
+    assert "Performance" in sections and DATED.search(sections["Performance"]), "the performance table says when it was made"
+    dated = [f"## {name}: {line.strip()}" for name, text in sections.items() if name != "Performance"
+             for line in text.splitlines() if DATED.search(line) or MEASUREMENT.search(line) and "bench/" not in line]
+    assert dated == [], "dated measurements belong in README's performance table or bench/RESULTS.md:\n" + "\n".join(dated)
+
+
+def test_results_page_gives_each_benchmark_its_command_date_commit_and_machine():
+    results = (ROOT / "bench" / "RESULTS.md").read_text()
+    assert len(results.splitlines()) <= 300, "bench/RESULTS.md holds today's numbers; history goes to bench/history/"
+    machine = re.search(r"^The machine of every section below.*$", results, re.M)
+    assert machine, "RESULTS names the machine its sections share"
+    for name, text in _sections(results).items():
+        if "|" not in text or name == "Diagnostic tools":
+            continue
+        assert "```" in text, f"{name}: no command"
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", text), f"{name}: no date"
+        assert re.search(r"\bcommits? [0-9a-f]{7}|\b[0-9a-f]{7}\b", text), f"{name}: no commit"
+
+
 def test_production_code_is_used_by_production_code():
     used = _names_used()
     unused = set()

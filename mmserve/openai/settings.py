@@ -15,7 +15,7 @@ from mmserve.transit.settings import RoutingSettings
 
 @dataclass(frozen=True)
 class ServingLimits:
-    """Request limits the serving layer enforces (see README's configuration table)."""
+    """Request limits the serving layer enforces (docs/configuration.md)."""
 
     max_request_bytes: int
     max_n: int
@@ -38,7 +38,7 @@ class ServingLimits:
 
 @dataclass(frozen=True)
 class ToolCallSettings:
-    """A model's tool-call parsing (see README's configuration table)."""
+    """A model's tool-call parsing (docs/configuration.md)."""
 
     # vLLM's --tool-call-parser: a name in `tool_parsers.TOOL_CALL_PARSERS`; None: no parser.
     parser: str | None

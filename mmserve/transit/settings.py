@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RoutingSettings:
-    """How the router chooses an engine (see README's configuration table, `routing.*`)."""
+    """How the router chooses an engine (docs/configuration.md, `routing.*`)."""
 
     # Prefer the engine that served the same images or the longest shared prompt prefix.
     affinity: bool

@@ -52,7 +52,7 @@ class ServeRun:
             # As README starts it: HAProxy in front of the ingress replicas' own HTTP servers, and
             # Serve's intervals.
             **ray_instance_settings(),
-            # Stopping: no 30 s deregistration window per ingress replica (README, HAProxy paragraph).
+            # Stopping: no 30 s deregistration window per ingress replica (docs/operations.md, "HAProxy: ports, stopping, a known limit").
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
             "PYTHONPATH": str(REPO),
             **(env or {}),

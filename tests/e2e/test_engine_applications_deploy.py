@@ -1,4 +1,4 @@
-"""Adding and removing an engine as README documents it: one `serve deploy` of a multi-application
+"""Adding and removing an engine as docs/engines.md documents it: one `serve deploy` of a multi-application
 config with an engine application more (or one fewer), on a Ray cluster made with `ray start`. Serve
 deploys only what changed: the mmserve application and the other engine keep their processes."""
 
@@ -27,7 +27,7 @@ PREFIX = "mmserve-engine-"
 
 
 def _config(http_port: int, engines: list[str]) -> dict:
-    """README's multi-application config: the mmserve application and one application per engine."""
+    """The multi-application config of docs/engines.md: the mmserve application and one application per engine."""
     apps = [{"name": "mmserve", "route_prefix": "/", "import_path": "serve_app:build_app",
              "args": {"engines": [], "engine_applications": PREFIX, "served_model_name": BUILTIN}}]
     apps += [{"name": PREFIX + engine, "route_prefix": None, "import_path": "serve_app:build_engine_app",

@@ -72,7 +72,7 @@ def test_request_lines_metrics_and_no_tracebacks_for_client_mistakes(serve_run):
                 break
         expected.append(499)
         # Straight to the ingress replica: HAProxy 2.8 does not always pass on the leaving of a
-        # client that waits for a whole answer (README, "Known limit behind HAProxy").
+        # client that waits for a whole answer (docs/operations.md, "HAProxy: ports, stopping, a known limit").
         with pytest.raises(httpx.TimeoutException):
             httpx.post(serve_run.ingress_replica_url() + CHAT, json=long_chat, timeout=1.0)
         expected.append(499)

@@ -159,7 +159,7 @@ def test_the_default_budget_parses_the_largest_body_the_default_caps_allow():
     caps = BodyCaps.from_settings(serving_settings(AppConfig()), images_allowed=True)
     budget = ByteBudget(default_body_budget(caps), serving_settings(AppConfig()).limits.small_request_bytes)
     largest = caps.cap(images=True)
-    assert largest > 8 * base64_chars(20 * MiB)  # README's promise: 8 images of 20 MiB
+    assert largest > 8 * base64_chars(20 * MiB)  # the promise of docs/configuration.md (limits.max_request_bytes): 8 images of 20 MiB
     lease = budget.lease()
     lease.admit(largest)
     lease.hold(PARSE_CHARGE_PER_BYTE * largest, largest)

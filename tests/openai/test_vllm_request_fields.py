@@ -79,9 +79,9 @@ def test_tables_cover_vllm_request_models():
             assert vllm_fields[name].get_default(call_default_factory=True) == default, name
 
 
-def test_openai_fields_vllm_ignores_are_ignored_here_and_listed_in_readme():
+def test_openai_fields_vllm_ignores_are_ignored_here_and_listed_in_the_api_reference():
     """OpenAI's own request fields (the `openai` client's) that vLLM's request models lack, and so ignore,
-    are ignored here too (served, not refused), and README's API section names every one of them."""
+    are ignored here too (served, not refused), and the API reference (docs/api.md) names every one of them."""
     from pathlib import Path
 
     from openai.types import completion_create_params
@@ -89,7 +89,7 @@ def test_openai_fields_vllm_ignores_are_ignored_here_and_listed_in_readme():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmChat
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VllmCompletion
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
     openai_params = {
         "chat": (chat_create_params.CompletionCreateParamsBase, VllmChat),
         "completions": (completion_create_params.CompletionCreateParamsBase, VllmCompletion),
@@ -101,4 +101,4 @@ def test_openai_fields_vllm_ignores_are_ignored_here_and_listed_in_readme():
         for name in ignored_by_vllm:
             assert name not in model.model_fields and name not in table, name
             check(model.model_validate({**base, name: {"any": "value"}}))
-            assert f"`{name}`" in readme, f"README's API section does not list OpenAI's {name} as ignored"
+            assert f"`{name}`" in readme, f"docs/api.md does not list OpenAI's {name} as ignored"

@@ -3,8 +3,9 @@
 The commands are read from README.md (the first ```bash block under "## Quick start", one command a
 line, each at most `MAX_COMMAND_CHARS`) and run in order with bash (`set -e`) in a fresh `git clone` of
 this repository's HEAD (commit first when running it by hand); the last one serves. While it
-serves, the `openai` client asks for `/v1/models`, a text chat, a streamed chat and an image chat (PNG
-data URI), and the resize path the service reports is read; then it is stopped. What it gave is kept in
+serves, README's own examples run as pasted (its `curl` with bash, its python with the venv's python),
+then the `openai` client asks for `/v1/models`, a text chat, a streamed chat, an image chat (PNG data
+URI) and ten constrained chats, and the resize path the service reports is read; then it is stopped. What it gave is kept in
 a `QuickStart`, and its venv (a user's install, made by README's command) is shared by the tests that
 need a fresh install: `tests/test_quickstart.py` and `tests/deployments/test_fastapi_versions.py`.
 
@@ -14,8 +15,10 @@ it needs that port free; it says so plainly if it is not.
 
 from __future__ import annotations
 
+import ast
 import base64
 import io
+import json
 import re
 import shutil
 import socket
@@ -46,14 +49,42 @@ class QuickStart:
         return self.clone / ".venv" / "bin"
 
 
+def _quick_start_section(readme: str) -> str:
+    return readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+
+
 def readme_quick_start_commands(readme: str) -> list[str]:
-    section = readme.split("## Quick start", 1)[1]
+    section = _quick_start_section(readme)
     block = re.search(r"```bash\n(.*?)```", section, re.S)
     assert block, "README's quick start has no ```bash block"
     lines = [l for l in block.group(1).strip().splitlines() if l.strip()]
     assert lines and "serve run" in lines[-1], f"README's quick start must end with the command that serves: {lines}"
     assert all(len(l) <= MAX_COMMAND_CHARS for l in lines), [l for l in lines if len(l) > MAX_COMMAND_CHARS]
     return lines
+
+
+def readme_try_it(readme: str) -> tuple[str, str]:
+    """The quick start's examples a reader pastes once it serves: (the ```bash block after the commands, the ```python block)."""
+    section = _quick_start_section(readme)
+    shell = re.findall(r"```bash\n(.*?)```", section, re.S)
+    python = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(shell) == 2 and len(python) == 1, "README's quick start: the commands, a curl example, a python example"
+    return shell[1], python[0]
+
+
+def run_readme_examples(clone: Path, tmp: Path) -> None:
+    """README's curl and python examples, pasted as a reader would, against the quick start's service."""
+    shell, python = readme_try_it((clone / "README.md").read_text())
+    curl = run_logged(["bash", "-ec", shell], cwd=clone, timeout_s=120).stdout
+    assert json.loads(curl)["choices"][0]["message"]["content"], curl
+    script = tmp / "readme_example.py"
+    script.write_text(python)
+    printed = run_logged([str(clone / ".venv" / "bin" / "python"), str(script)], cwd=clone, timeout_s=300).stdout
+    # Four answers: a text chat, a streamed one, an image chat, then the JSON-schema answer parsed.
+    lines = printed.strip().splitlines()
+    assert len(lines) == 4 and lines[0] and lines[1], printed
+    assert int(lines[2].split()[0]) > 20, printed  # the image's tokens are in the prompt
+    assert isinstance(ast.literal_eval(lines[3])["name"], str), printed
 
 
 def wait_for_free_port(port: int, timeout_s: float = 300) -> None:
@@ -102,7 +133,35 @@ def exercise_with_openai(base_url: str) -> str:
         max_tokens=16,
     )
     assert image.choices[0].message.content and image.usage.prompt_tokens > text.usage.prompt_tokens
+    constrained_chats_follow_their_constraints(client, model)
     return model
+
+
+# What people try on the quick start: constrained answers, each checked against its constraint.
+_PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+CONSTRAINED = [
+    ("response_format json_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": _PERSON}}},
+     lambda t: isinstance(json.loads(t)["name"], str) and isinstance(json.loads(t)["age"], int)),
+    ("response_format json_object", {"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+    ("regex", {"extra_body": {"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}}}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+    ("choice", {"extra_body": {"structured_outputs": {"choice": ["positive", "negative", "neutral"]}}},
+     lambda t: t in ("positive", "negative", "neutral")),
+    ("grammar", {"extra_body": {"structured_outputs": {"grammar": 'root ::= "SELECT " col " FROM t"\ncol ::= "a" | "b" | "*"'}}},
+     lambda t: re.fullmatch(r"SELECT (a|b|\*) FROM t", t)),
+]
+
+
+def constrained_chats_follow_their_constraints(client, model: str) -> None:
+    """Each constraint streamed and not (ten requests): the answer follows it."""
+    for name, fields, valid in CONSTRAINED:
+        for stream in (False, True):
+            messages = [{"role": "user", "content": f"Answer as asked ({name})."}]
+            if stream:
+                chunks = client.chat.completions.create(model=model, messages=messages, stream=True, **fields)
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            else:
+                text = client.chat.completions.create(model=model, messages=messages, **fields).choices[0].message.content
+            assert valid(text), (name, stream, text)
 
 
 def resize_path_reports(serve: ServeRunProcess) -> tuple[set[str], str, set[str]]:
@@ -125,6 +184,7 @@ def run_quick_start(tmp: Path) -> QuickStart:
     wait_for_free_port(QUICK_START_PORT)
     script = "\n".join(["set -e", *commands])
     with ServeRunProcess(script, clone, tmp / "quickstart.log", QUICK_START_PORT).start(ready_timeout_s=1500) as serve:
+        run_readme_examples(clone, tmp)
         model = exercise_with_openai(serve.base_url)
         reports = resize_path_reports(serve)
     return QuickStart(clone=clone, commands=commands, model=model, resize_reports=reports)

@@ -57,7 +57,7 @@ def serve_env() -> dict[str, str]:
     # As README starts it; the suite's own Ray instances without token authentication (its tests
     # attach drivers to them).
     env.update(ray_instance_settings(), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
-    # Stopping: no 30 s deregistration window per ingress replica (README, HAProxy paragraph).
+    # Stopping: no 30 s deregistration window per ingress replica (docs/operations.md, "HAProxy: ports, stopping, a known limit").
     env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"
     return env
 
