@@ -63,28 +63,31 @@ def readme_quick_start_commands(readme: str) -> list[str]:
     return lines
 
 
-def readme_try_it(readme: str) -> tuple[str, str]:
-    """The quick start's examples a reader pastes once it serves: (the ```bash block after the commands, the ```python block)."""
+def readme_try_it(readme: str) -> tuple[str, str, str]:
+    """The quick start's examples a reader pastes once it serves: (the curl example, the openai client's
+    install, the python example)."""
     section = _quick_start_section(readme)
     shell = re.findall(r"```bash\n(.*?)```", section, re.S)
     python = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(shell) == 2 and len(python) == 1, "README's quick start: the commands, a curl example, a python example"
-    return shell[1], python[0]
+    assert len(shell) == 3 and len(python) == 1, "README's quick start: the commands, curl, the client's install, python"
+    return shell[1], shell[2], python[0]
 
 
 def run_readme_examples(clone: Path, tmp: Path) -> None:
     """README's curl and python examples, pasted as a reader would, against the quick start's service."""
-    shell, python = readme_try_it((clone / "README.md").read_text())
-    curl = run_logged(["bash", "-ec", shell], cwd=clone, timeout_s=120).stdout
+    curl_example, client_install, python = readme_try_it((clone / "README.md").read_text())
+    curl = run_logged(["bash", "-ec", curl_example], cwd=clone, timeout_s=120).stdout
     assert json.loads(curl)["choices"][0]["message"]["content"], curl
+    run_logged(["bash", "-ec", client_install], cwd=clone, timeout_s=600)
     script = tmp / "readme_example.py"
     script.write_text(python)
     printed = run_logged([str(clone / ".venv" / "bin" / "python"), str(script)], cwd=clone, timeout_s=300).stdout
     # Four answers: a text chat, a streamed one, an image chat, then the JSON-schema answer parsed.
     lines = printed.strip().splitlines()
-    assert len(lines) == 4 and lines[0] and lines[1], printed
-    assert int(lines[2].split()[0]) > 20, printed  # the image's tokens are in the prompt
-    assert isinstance(ast.literal_eval(lines[3])["name"], str), printed
+    [image] = [line for line in lines if " prompt tokens: " in line]
+    assert len(lines) >= 4 and lines.index(image) >= 2 and lines[0].strip(), printed
+    assert int(image.split()[0]) > 20, printed  # the image's tokens are in the prompt
+    assert isinstance(ast.literal_eval(lines[-1])["name"], str), printed
 
 
 def wait_for_free_port(port: int, timeout_s: float = 300) -> None:
