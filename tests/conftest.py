@@ -44,7 +44,7 @@ REFERENCE_TESTS: dict[str, str | set[str]] = {
     "tests/text/test_template_kwargs.py": "*",
     "tests/text/test_chat_template.py": {"test_content_format_detection_matches_vllm", "test_content_format_detection_variants"},
     "tests/openai/test_vllm_request_fields.py": {
-        "test_tables_cover_vllm_request_models", "test_openai_fields_vllm_ignores_are_ignored_here_and_listed_in_readme"
+        "test_tables_cover_vllm_request_models", "test_openai_fields_vllm_ignores_are_ignored_here_and_listed_in_the_api_reference"
     },
     "tests/openai/test_tool_calls.py": {"test_refusals_word_for_word_as_vllm"},
     "tests/openai/test_tool_call_parsing.py": "*",

@@ -302,3 +302,16 @@ def test_production_code_is_used_by_production_code():
                     unused.add(f"{module.rel}::{node.name}")
     assert unused - CALLED_FROM_OUTSIDE.keys() == set(), "used by tests only (or by nothing): move to the tests, or delete"
     assert CALLED_FROM_OUTSIDE.keys() - unused == set(), "used by production code now: remove from CALLED_FROM_OUTSIDE"
+
+
+def test_the_suite_lists_in_conftest_name_tests_that_exist():
+    """A renamed test left out of REFERENCE_TESTS runs in the gateway venv and fails there, far from the rename."""
+    from tests.conftest import ALONE_TESTS, OWN_CLUSTER_TESTS, REFERENCE_TESTS
+
+    for path in [*REFERENCE_TESTS, *ALONE_TESTS, *OWN_CLUSTER_TESTS]:
+        assert (ROOT / path).is_file(), f"tests/conftest.py names {path}, which does not exist"
+    for path, names in REFERENCE_TESTS.items():
+        if names != "*":
+            tree = ast.parse((ROOT / path).read_text())
+            defined = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            assert names <= defined, f"REFERENCE_TESTS names {sorted(names - defined)} in {path}, which has no such test"
