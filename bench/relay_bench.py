@@ -88,7 +88,7 @@ async def measure(seconds: float, concurrency: int) -> tuple[float, float, int, 
     client = EngineClient(engine_client_config(EngineAddresses("tcp://127.0.0.1:0"), handshake_timeout_s=60))
     client.bind()
     engine = subprocess.Popen(builtin_engine_command(client.handshake_address, max_model_len=1024, max_num_seqs=256,
-                                                     step_interval_ms=2.0))
+                                                     step_interval_ms=2.0, step_us_per_sequence=0.0, step_us_per_prefill_token=0.0))
     reader = subprocess.Popen([sys.executable, "-c", INBOX_READER], stdout=subprocess.PIPE, text=True)
     try:
         await client.start()

@@ -42,6 +42,8 @@ class BuiltinEngineOptions:
     max_model_len: int
     max_num_seqs: int
     step_interval_ms: float
+    step_us_per_sequence: float
+    step_us_per_prefill_token: float
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,8 @@ class EngineClientServer:
             max_model_len=options.max_model_len,
             max_num_seqs=options.max_num_seqs,
             step_interval_ms=options.step_interval_ms,
+            step_us_per_sequence=options.step_us_per_sequence,
+            step_us_per_prefill_token=options.step_us_per_prefill_token,
         )
         logger.info("started the mmserve BUILT-IN engine (deterministic tokens, no real model), pid %d", self.builtin.pid)
 

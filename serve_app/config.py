@@ -71,7 +71,9 @@ class BuiltinEngineConfig(BaseModel):
     handshake: str = Field(default="tcp://127.0.0.1:0", description="Where its engine client waits for it: loopback, the built-in engine runs beside it (port 0: a free one).")
     max_model_len: int = Field(default=4096, description="Context length it announces in its handshake.")
     max_num_seqs: int = Field(default=256, description="Requests it runs at once; more wait in its queue.")
-    step_interval_ms: float = Field(default=2.0, description="Time per engine step (one token for every running request).")
+    step_interval_ms: float = Field(default=3.2, ge=0, description="A step's fixed time (one token for every running request), ms. With the two below it models a GPU engine's step; the defaults model a ≈2B model on one H100, from the published measurements docs/engines.md names.")
+    step_us_per_sequence: float = Field(default=20.0, ge=0, description="A step's time per request in its batch, µs.")
+    step_us_per_prefill_token: float = Field(default=40.0, ge=0, description="A step's time per prompt token it prefills (an image's tokens among them), µs.")
 
 
 class EngineLaunchConfig(BaseModel):

@@ -57,6 +57,8 @@ def engine_client_settings(config: AppConfig, endpoint: EngineEndpoint) -> Engin
             max_model_len=options.max_model_len,
             max_num_seqs=options.max_num_seqs,
             step_interval_ms=options.step_interval_ms,
+            step_us_per_sequence=options.step_us_per_sequence,
+            step_us_per_prefill_token=options.step_us_per_prefill_token,
         )
     return EngineClientSettings(
         addresses=EngineAddresses(endpoint.handshake, endpoint.inputs, endpoint.outputs),

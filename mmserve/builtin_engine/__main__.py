@@ -28,14 +28,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Required: the application passes its `builtin_engine.*` settings (defaults: serve_app/config.py).
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--max-num-seqs", type=int, required=True)
-    p.add_argument("--step-interval-ms", type=float, required=True, help="time between decode steps")
+    p.add_argument("--step-interval-ms", type=float, required=True, help="a step's fixed time, ms")
+    p.add_argument("--step-us-per-sequence", type=float, required=True, help="a step's time per sequence in its batch, µs")
+    p.add_argument("--step-us-per-prefill-token", type=float, required=True, help="a step's time per prompt token it prefills, µs")
     p.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank (the DEALER identity)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if not args.handshake.startswith("tcp://"):
         p.error("--handshake must be tcp://HOST:PORT")
-    if args.max_model_len < 2 or args.max_num_seqs < 1 or args.step_interval_ms < 0:
-        p.error("--max-model-len >= 2, --max-num-seqs >= 1 and --step-interval-ms >= 0 are required")
+    if args.max_model_len < 2 or args.max_num_seqs < 1:
+        p.error("--max-model-len >= 2 and --max-num-seqs >= 1 are required")
+    if min(args.step_interval_ms, args.step_us_per_sequence, args.step_us_per_prefill_token) < 0:
+        p.error("step times must not be negative")
     if not 0 <= args.dp_rank < 65536:
         p.error("--dp-rank must fit in 2 bytes")
     return args
@@ -54,6 +58,8 @@ def main(argv: list[str] | None = None, engine_class: type[BuiltinEngine] = Buil
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             step_interval_ms=args.step_interval_ms,
+            step_us_per_sequence=args.step_us_per_sequence,
+            step_us_per_prefill_token=args.step_us_per_prefill_token,
             dp_rank=args.dp_rank,
         )
     )

@@ -6,8 +6,9 @@ runs end to end on a laptop without a GPU or vLLM:
 - handshake (`handshake.py`): as a headless vLLM engine, DEALER → the front-end's ROUTER.
 - ADD queues a request, ABORT drops requests silently (vLLM sends nothing for client aborts),
   UTILITY answers `is_sleeping`, `has_work`, `get_supported_tasks`, ... .
-- every `step_interval_ms` while there is work, every running request gets one token; all of
-  a step's tokens travel in one `EngineCoreOutputs` with scheduler stats.
+- while there is work, steps follow one another, each as long as a GPU's would be for its batch
+  (`step_time.py`); at a step's end every request of its batch gets one token, and all of them
+  travel in one `EngineCoreOutputs` with scheduler stats.
 - per request it records wall times for benchmarks (`timings.py`, the `get_request_timings` utility).
 
 Token rule (deterministic): a PRNG keyed by the prompt token ids and multimodal identifiers
@@ -40,8 +41,9 @@ from ..wire.engine_core import ENGINE_CORE_DEAD, EngineCoreOutput, EngineCoreOut
 from .fake_model import ModelInfo, new_generation
 from .handshake import VLLM_VERSION, handshake, ready_response
 from .multimodal_input import MultimodalError, ProofLines
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepBatch
 from .settings import BuiltinEngineSettings
+from .step_time import StepTime
 from .timings import TimingsLog
 from .wire_engine_side import OutputEncoder, ReceivedRequest, WireDecodeError, decode_message, request_id_of
 
@@ -67,6 +69,7 @@ class BuiltinEngine:
             max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
             kv_capacity_tokens=self.num_gpu_blocks * settings.block_size,
         )
+        self.step_time = StepTime(settings.step_interval_ms, settings.step_us_per_sequence, settings.step_us_per_prefill_token)
         self.timings = TimingsLog()
         self._ctx = zmq.Context()
         self._inputs: list[zmq.Socket] = []
@@ -117,30 +120,28 @@ class BuiltinEngine:
         poller = zmq.Poller()
         for sock in self._inputs:
             poller.register(sock, zmq.POLLIN)
-        interval = self.settings.step_interval_ms / 1000.0
-        next_step = time.monotonic()
+        # The step in progress: its batch was fixed when it began, its tokens leave when it ends.
+        batch: StepBatch | None = None
+        step_end = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
-            if self.has_work:
-                timeout_ms = max(0.0, (next_step - now) * 1000.0)
-            else:
-                timeout_ms = 100.0
+            timeout_ms = max(0.0, (step_end - now) * 1000.0) if batch is not None else 100.0
             try:
                 ready = dict(poller.poll(math.ceil(timeout_ms)))
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EINTR:
                     continue
                 raise
-            had_work = self.has_work
             for sock in self._inputs:
                 if ready.get(sock):
                     self._drain(sock)
             now = time.monotonic()
-            if not had_work and self.has_work:
-                next_step = now  # new work after idling: step at once
-            if self.has_work and now >= next_step:
-                self._step()
-                next_step = max(next_step + interval, now)
+            if batch is not None and now >= step_end:
+                self._finish_step(batch)
+                batch = None
+            if batch is None and self.has_work:
+                batch = self.scheduler.begin_step()
+                step_end = now + self.step_time.seconds(batch.sequences, batch.prefill_tokens)
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(MAX_MESSAGES_PER_TICK):
@@ -242,8 +243,8 @@ class BuiltinEngine:
             return fail(f"multimodal items not cached: {missing}", mm_cache_miss_hashes=missing)
         self.scheduler.add(new_generation(self.model, self.settings, req, lines))
 
-    def _step(self) -> None:
-        outbox = self.scheduler.step()
+    def _finish_step(self, batch: StepBatch) -> None:
+        outbox = self.scheduler.finish_step(batch)
         self.steps += 1
         self._send(outbox.by_client, with_stats=True)
 

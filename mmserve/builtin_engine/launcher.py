@@ -17,6 +17,8 @@ def builtin_engine_command(
     max_model_len: int,
     max_num_seqs: int,
     step_interval_ms: float,
+    step_us_per_sequence: float,
+    step_us_per_prefill_token: float,
     model_dir: str | Path | None = None,
 ) -> list[str]:
     """The argv that starts a built-in engine process connecting to `handshake` (the sizes are the
@@ -26,6 +28,8 @@ def builtin_engine_command(
         "--max-model-len", str(max_model_len),
         "--max-num-seqs", str(max_num_seqs),
         "--step-interval-ms", str(step_interval_ms),
+        "--step-us-per-sequence", str(step_us_per_sequence),
+        "--step-us-per-prefill-token", str(step_us_per_prefill_token),
     ]
     if model_dir is not None:
         cmd += ["--model-dir", str(model_dir)]
@@ -49,9 +53,12 @@ class BuiltinEngineProcess:
         max_model_len: int,
         max_num_seqs: int,
         step_interval_ms: float,
+        step_us_per_sequence: float,
+        step_us_per_prefill_token: float,
     ) -> "BuiltinEngineProcess":
         cmd = builtin_engine_command(
-            handshake, model_dir=model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs, step_interval_ms=step_interval_ms
+            handshake, model_dir=model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs, step_interval_ms=step_interval_ms,
+            step_us_per_sequence=step_us_per_sequence, step_us_per_prefill_token=step_us_per_prefill_token,
         )
         # The engine gets SIGTERM when its engine client's process dies: a crashed replica never
         # leaves an orphan engine holding a connection.

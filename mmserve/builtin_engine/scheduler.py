@@ -50,6 +50,18 @@ class GenerationRequest:
         return tok
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """The requests one step computes (fixed when it starts) and the prompt tokens it prefills."""
+
+    request_ids: tuple[str, ...]
+    prefill_tokens: int
+
+    @property
+    def sequences(self) -> int:
+        return len(self.request_ids)
+
+
 @dataclass
 class Outbox:
     """Outputs of one step (or one event), grouped by client index."""
@@ -83,14 +95,22 @@ class Scheduler:
         self._waiting.pop(request_id, None)
         self._running.pop(request_id, None)
 
-    def step(self) -> Outbox:
-        """Admit waiting requests up to max_num_seqs, then one token for every running request."""
+    def begin_step(self) -> StepBatch:
+        """Admit waiting requests up to max_num_seqs: the batch of the step that starts now."""
+        prefill_tokens = 0
         while self._waiting and len(self._running) < self.max_num_seqs:
             rid, req = self._waiting.popitem(last=False)
             self._running[rid] = req
+            prefill_tokens += req.prompt_len
+        return StepBatch(tuple(self._running), prefill_tokens)
+
+    def finish_step(self, batch: StepBatch) -> Outbox:
+        """One token for every request of the batch that is still running (not aborted meanwhile)."""
         outbox = Outbox()
-        finished: list[str] = []
-        for rid, req in self._running.items():
+        for rid in batch.request_ids:
+            req = self._running.get(rid)
+            if req is None:
+                continue
             tok = req.next_token()
             req.num_output += 1
             finish: FinishReason | None = None
@@ -103,9 +123,7 @@ class Scheduler:
                 finish = FinishReason.LENGTH
             outbox.add(req.client_index, EngineCoreOutput(rid, [tok], finish_reason=finish, stop_reason=stop_reason))
             if finish is not None:
-                finished.append(rid)
-        for rid in finished:
-            del self._running[rid]
+                del self._running[rid]
         return outbox
 
     def abort_all(self) -> Outbox:

@@ -63,9 +63,9 @@ class Engine:
         )
         self.client.bind()
         self.handshake = self.client.handshake_address
-        cmd = command(
-            self.handshake, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs, step_interval_ms=step_ms
-        )
+        # A fixed step time: these tests count steps, not a GPU's.
+        cmd = command(self.handshake, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs, step_interval_ms=step_ms,
+                      step_us_per_sequence=0.0, step_us_per_prefill_token=0.0)
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
 
     async def start(self) -> Engine:

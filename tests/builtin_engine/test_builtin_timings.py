@@ -58,7 +58,7 @@ def test_timings_are_bounded(monkeypatch):
             eng._add(ReceivedRequest(f"r{i}", [10, 11, 12], [], ReceivedSampling(temperature=0.0, max_tokens=10, ignore_eos=True), 1.0 + i))
         assert [t["request_id"] for t in eng.get_request_timings()] == ["r2", "r3", "r4"]
         for _ in range(10):
-            eng._step()
+            eng._finish_step(eng.scheduler.begin_step())
         timings = eng.get_request_timings()
         assert all(len(t["sent"]) == 4 and t["num_tokens"] == [1] * 4 for t in timings)
         assert [t["arrival_time"] for t in timings] == [3.0, 4.0, 5.0]

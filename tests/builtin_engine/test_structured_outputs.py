@@ -15,7 +15,8 @@ from mmserve.builtin_engine.settings import DEFAULT_MODEL_DIR, BuiltinEngineSett
 from mmserve.builtin_engine.wire_engine_side import ReceivedRequest, ReceivedSampling
 
 MODEL = ModelInfo.load(DEFAULT_MODEL_DIR)
-SETTINGS = BuiltinEngineSettings(handshake_address="tcp://127.0.0.1:1", max_model_len=4096, max_num_seqs=8, step_interval_ms=1.0)
+SETTINGS = BuiltinEngineSettings(handshake_address="tcp://127.0.0.1:1", max_model_len=4096, max_num_seqs=8, step_interval_ms=1.0,
+                                  step_us_per_sequence=0.0, step_us_per_prefill_token=0.0)
 EOS = MODEL.encode("<|im_end|>")[0]
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "mood": {"enum": ["calm", "curious"]},
@@ -29,7 +30,7 @@ def _answer(structured: dict | None, prompt: str, max_tokens: int = 400, ignore_
     scheduler.add(new_generation(MODEL, SETTINGS, ReceivedRequest("r", MODEL.encode(prompt), [], sampling, 0.0), []))
     tokens, finish = [], None
     while finish is None:
-        [output] = scheduler.step().by_client[0]
+        [output] = scheduler.finish_step(scheduler.begin_step()).by_client[0]
         tokens += output.new_token_ids
         finish = output.finish_reason
     if finish.name == "STOP":

@@ -29,4 +29,6 @@ if __name__ == "__main__":
         "--handshake", f"tcp://{args.data_parallel_address}:{args.data_parallel_rpc_port}",
         "--model-dir", args.model, "--max-model-len", args.max_model_len, "--max-num-seqs", args.max_num_seqs,
         "--step-interval-ms", str(defaults.step_interval_ms),
+        "--step-us-per-sequence", str(defaults.step_us_per_sequence),
+        "--step-us-per-prefill-token", str(defaults.step_us_per_prefill_token),
     ]))

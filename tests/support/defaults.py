@@ -74,9 +74,10 @@ def engine_client_config(addresses: EngineAddresses, **changes: Any) -> EngineCl
 
 
 def _builtin_engine_sizes() -> dict[str, Any]:
-    """The built-in engine's sizes as its engine client passes them (max_model_len, max_num_seqs, step_interval_ms)."""
+    """The built-in engine's sizes and step times as its engine client passes them."""
     options = builtin_engine_options()
-    return {"max_model_len": options.max_model_len, "max_num_seqs": options.max_num_seqs, "step_interval_ms": options.step_interval_ms}
+    return {name: getattr(options, name) for name in (
+        "max_model_len", "max_num_seqs", "step_interval_ms", "step_us_per_sequence", "step_us_per_prefill_token")}
 
 
 def builtin_engine_settings(handshake_address: str, **changes: Any) -> BuiltinEngineSettings:
