@@ -58,11 +58,12 @@ end (`bench/stream_delivery_probe.py`, 2026-12-06): its TTFT then measured the c
 runs on a machine of its own.
 
 With `--engine-cpus 1` the machine is split in two as a deployment that moves the front end off the
-engine's node would be (`EngineNode`): each system's engine runs on those CPUs; vLLM's API server beside
-its engine there (where `vllm serve` puts it); mmserve's gateway, all of Ray's and Serve's processes, on
-the others, and the client on the others for both (beside mmserve's gateway: the split does not favour
-mmserve). CPU per request is measured the same way; requests/s and latencies then say what the engine's
-node serves with its front end elsewhere.
+engine's node would be (`EngineNode`): each system's engine alone on those CPUs, each system's front end
+and the client on the others. vLLM then runs as two processes, its engine (`vllm serve --headless`, the
+same flags) on the engine's CPUs and its API server with no engine of its own (`--data-parallel-size-local
+0`, connected to that engine) on the front end's, as mmserve's gateway is: both front ends get the same
+cores. CPU per request is measured the same way; requests/s and latencies then say what the engine's node
+serves with its front end elsewhere.
 
 Writes the markdown report (medians over runs; ratios mmserve ÷ vLLM of the medians) and, beside it,
 the per-run numbers as JSON (rewritten after every run). Not a test: nothing is asserted about timings.
@@ -159,9 +160,8 @@ class Timing:
 
 @dataclass(frozen=True)
 class EngineNode:
-    """One machine split in two: the engine's node (`engine_cpus`: each system's engine, and vLLM's API
-    server, which `vllm serve` runs beside its engine) and the rest (`front_cpus`: mmserve's gateway, the
-    bench client)."""
+    """One machine split in two: the engine's node (`engine_cpus`: each system's engine alone) and the rest
+    (`front_cpus`: each system's front end, vLLM's API server or mmserve's gateway, and the bench client)."""
 
     engine_cpus: frozenset[int]
     front_cpus: frozenset[int]
@@ -184,8 +184,8 @@ class EngineNode:
         return ["taskset", "--cpu-list", ",".join(map(str, sorted(self.engine_cpus)))]
 
     def describe(self) -> str:
-        return (f"an engine node of its own: each engine (and vLLM's API server, beside its engine) on CPUs "
-                f"{sorted(self.engine_cpus)}; mmserve's gateway and the bench client on CPUs {sorted(self.front_cpus)}")
+        return (f"an engine node of its own: each engine alone on CPUs {sorted(self.engine_cpus)}; each front end (vLLM's "
+                f"API server, mmserve's gateway) and the bench client on CPUs {sorted(self.front_cpus)}")
 
 
 @contextlib.contextmanager
@@ -543,10 +543,20 @@ def describe(seconds: dict[str, float], wall_s: float) -> str:
 
 def run_vllm(run: int, model_dir: Path, work: Path, bodies: dict[str, list[dict[str, Any]]], warm: list[dict[str, Any]],
              timing: Timing, engine_node: EngineNode | None = None) -> SystemRun:
+    """`vllm serve` as users start it; on a split machine its API server on the front end's CPUs (started
+    with no engine of its own) and its engine (`--headless`, the same flags) alone on the engine's."""
     print(f"== run {run}: vLLM (`vllm serve`, its own API server)", flush=True)
     t0 = time.monotonic()
-    with forking_on(engine_node and engine_node.engine_cpus):
-        server = VllmApiServer(model_dir, served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
+    engine = None
+    extra: list[str] = []
+    if engine_node is not None:
+        hs_port = free_tcp_port()
+        with forking_on(engine_node.engine_cpus):
+            engine = HeadlessVllmEngine(model_dir, hs_port, max_model_len=MAX_MODEL_LEN, log_path=work / f"vllm_engine_{run}.log",
+                                        as_users_run=True).start()
+        extra = ["--data-parallel-size-local", "0", "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(hs_port)]
+    with forking_on(engine_node and engine_node.front_cpus):
+        server = VllmApiServer(model_dir, served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN, extra_args=extra,
                                log_path=work / f"vllm_server_{run}.log", as_users_run=True).start()
     bench_pid = os.getpid()
 
@@ -555,12 +565,15 @@ def run_vllm(run: int, model_dir: Path, work: Path, bodies: dict[str, list[dict[
             return CLIENT
         if proc.pid == server.pid:
             return GATEWAY
-        return ENGINE if server.pid in ancestors(proc) else None
+        lineage = ancestors(proc)
+        if engine is not None:
+            return ENGINE if engine.pid in lineage else GATEWAY if server.pid in lineage else None
+        return ENGINE if server.pid in lineage else None
 
     def label(proc: psutil.Process, role: str) -> str:
         if role == GATEWAY:
-            return VLLM_API_SERVER
-        return engine_label(proc, server.pid) if role == ENGINE else "bench client"
+            return VLLM_API_SERVER if proc.pid == server.pid else other_label(cmdline(proc))
+        return engine_label(proc, engine.pid if engine is not None else server.pid) if role == ENGINE else "bench client"
 
     try:
         server.wait_healthy(timeout=900)
@@ -570,6 +583,8 @@ def run_vllm(run: int, model_dir: Path, work: Path, bodies: dict[str, list[dict[
         return system
     finally:
         server.stop()
+        if engine is not None:
+            engine.stop()
 
 
 # ----------------------------------------------------------------------------- mmserve as README starts it
@@ -1024,8 +1039,8 @@ def main() -> None:
     parser.add_argument("--client-group-nice", type=int, default=CLIENT_GROUP_NICE,
                         help="niceness of the client's scheduling group while the bench runs (0: the default weight)")
     parser.add_argument("--engine-cpus", metavar="LIST",
-                        help="emulate an engine node of its own: each engine (and vLLM's API server) on these CPUs, "
-                             "mmserve's gateway and the client on the others (e.g. 1)")
+                        help="emulate an engine node of its own: each engine alone on these CPUs, each front end "
+                             "(vLLM's API server, mmserve's gateway) and the client on the others (e.g. 1)")
     parser.add_argument("--report-from", metavar="FILE.json",
                         help="run nothing: rewrite the markdown report of a saved JSON (to --out, default beside it)")
     args = parser.parse_args()
