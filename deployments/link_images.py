@@ -4,8 +4,9 @@ The engine client gets their pixels itself: it has the preprocessor the request 
 over the preprocessing link (`preprocessor_calls.py`; the pixels come through the object store), or,
 when every image is a data URI it saw before and the engine still holds, recalls them without pixels
 (`RecentImages`) and sends the request at once by hash only, keeping the way to process them anew
-should the engine have let them go meanwhile. The choices of one `n` > 1 request in flight together
-share one processing (`ImageRequest.group`).
+should the engine have let them go meanwhile. The choices of one `n` > 1 request share one
+processing (`ImageRequest.group`): kept for the choices still to come until all of them came, or
+until `GROUP_HOLD_S` after it ended (those choices went to another engine client, or were never sent).
 """
 
 from __future__ import annotations
@@ -24,13 +25,19 @@ from .preprocessor_calls import PreprocessorCalls
 
 Answer = ProcessedImages | Refusal
 
+# The choices of a request leave the ingress together; one may come after the others' processing
+# ended, by the time a loaded ingress or link takes. Longer holds only keep pixels alive.
+GROUP_HOLD_S = 10.0
+
 
 class _Shared:
-    """One processing and the requests waiting for it: cancelled when the last of them is."""
+    """One processing and the requests waiting for it: cancelled when the last of them is, unless
+    it ended; `to_come`: the group's choices not yet joined."""
 
-    def __init__(self, processing: asyncio.Future[Answer]) -> None:
+    def __init__(self, processing: asyncio.Future[Answer], to_come: int) -> None:
         self.processing = processing
         self.waiting = 0
+        self.to_come = to_come
 
 
 class LinkImages:
@@ -71,14 +78,18 @@ class LinkImages:
         return images
 
     async def _shared(self, message: ImageRequest) -> Answer:
-        """The images processed for this request, or for the request of its group in flight."""
+        """The images processed for this request, or for the first request of its group."""
         group = (message.caller, message.group) if message.group else None
         shared = self._groups.get(group) if group is not None else None
+        if shared is not None and shared.processing.cancelled():
+            shared = None  # (its choices were all given up: this one starts again)
         if shared is None:
-            shared = _Shared(asyncio.ensure_future(self._preprocessors.process(message.images, message.preprocessor)))
+            shared = _Shared(asyncio.ensure_future(self._preprocessors.process(message.images, message.preprocessor)), message.choices)
             if group is not None:
-                self._groups[group] = shared
-                shared.processing.add_done_callback(lambda _: self._groups.pop(group, None) if self._groups.get(group) is shared else None)
+                self._hold(group, shared)
+        shared.to_come -= 1
+        if group is not None and shared.to_come <= 0 and self._groups.get(group) is shared:
+            del self._groups[group]
         shared.waiting += 1
         try:
             return await asyncio.shield(shared.processing)
@@ -86,6 +97,17 @@ class LinkImages:
             shared.waiting -= 1
             if shared.waiting == 0:
                 shared.processing.cancel()  # (done already, unless every request waiting was cancelled)
+
+    def _hold(self, group: tuple[str, str], shared: _Shared) -> None:
+        """Keep the group's processing for its choices to come, until `GROUP_HOLD_S` after it ended."""
+        self._groups[group] = shared
+        loop = asyncio.get_running_loop()
+
+        def release() -> None:
+            if self._groups.get(group) is shared:
+                del self._groups[group]
+
+        shared.processing.add_done_callback(lambda _: loop.call_later(GROUP_HOLD_S, release))
 
     def reprocess(self, message: ImageRequest) -> Reprocess:
         """The request's images processed anew, for a request sent with recalled images."""
@@ -106,3 +128,5 @@ class LinkImages:
         for (of_caller, _), processing in list(self._processing.items()):
             if of_caller == caller:
                 processing.cancel()
+        for group in [group for group in self._groups if group[0] == caller]:
+            del self._groups[group]

@@ -93,13 +93,14 @@ class ImageRequest(LinkMessage, frozen=True, tag="add_images"):
     """A request with images: the engine client has `preprocessor` process `images` (the URLs,
     data URIs included: never pixels) and sends the request with the result; answered by an
     `AddAnswer` in the caller's output batches. The `n` > 1 choices of one request name the same
-    `group`: their images, processed once for those of them in flight together, are shared."""
+    `group` and their number (`choices`): the engine client processes their images once and shares them."""
 
     caller: str
     request: EngineCoreRequest
     images: ImageBatchRequest
     preprocessor: PreprocessorName
     group: str = ""
+    choices: int = 1
 
 
 class AbortRequests(LinkMessage, frozen=True, tag="abort"):
@@ -160,7 +161,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # Of those, requests whose images were recalled, not processed: the engine held them all
     # (`mmserve/multimodal/recent_images.py`).
     images_recalled: int = 0
-    # Jobs sent to the preprocessor replicas (the `n` > 1 choices of one request in flight together share one).
+    # Jobs sent to the preprocessor replicas (the `n` > 1 choices of one request share one).
     preprocessing_jobs: int = 0
 
 

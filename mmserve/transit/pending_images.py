@@ -19,22 +19,22 @@ class PendingImages:
     engine requests (`delivered()`); then the URLs (up to 8 data URIs of 27 MB) are dropped: nothing
     will need them again. Until then a request refused for a lost replica can be sent again. The
     `n` > 1 choices name their request as their `group`: an engine client processes their images
-    once for those of them in flight together."""
+    once for all of them."""
 
-    __slots__ = ("_choices", "group", "image_keys", "preprocessor", "request")
+    __slots__ = ("_choices", "choices", "group", "image_keys", "preprocessor", "request")
 
     def __init__(self, request: ImageBatchRequest, preprocessor: PreprocessorName, group: str = "", choices: int = 1) -> None:
         self.request: ImageBatchRequest | None = request
         self.preprocessor = preprocessor
         self.group = group
-        self._choices = choices
+        self.choices = self._choices = choices
         self.image_keys = tuple(image_key(url) for url in request.urls)  # routing affinity
 
     def message(self, caller: str, request: EngineCoreRequest) -> ImageRequest:
         """What the engine client is sent for `request` (one of this request's choices)."""
         if self.request is None:
             raise RuntimeError("the images were delivered already")
-        return ImageRequest(caller, request, self.request, self.preprocessor, self.group)
+        return ImageRequest(caller, request, self.request, self.preprocessor, self.group, self.choices if self.group else 1)
 
     def delivered(self) -> None:
         self._choices -= 1

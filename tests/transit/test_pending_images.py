@@ -23,7 +23,7 @@ def _choice(index: int, n: int):
 def test_each_choice_goes_as_an_image_request_naming_the_images_the_preprocessor_and_the_group():
     images = PendingImages(IMAGES, NAME, group="chatcmpl-1", choices=2)
     sent = [images.message("caller", _choice(i, 2)) for i in range(2)]
-    assert sent == [ImageRequest("caller", _choice(i, 2), IMAGES, NAME, "chatcmpl-1") for i in range(2)]
+    assert sent == [ImageRequest("caller", _choice(i, 2), IMAGES, NAME, "chatcmpl-1", 2) for i in range(2)]
     assert PendingImages(IMAGES, NAME).message("caller", _choice(0, 1)).group == ""  # one choice: no group
 
 
