@@ -388,7 +388,7 @@ def report(runs: list[SystemRun], meta: dict[str, Any], rates: dict[str, float])
     systems = [s for s in SYSTEMS if any(r.system == s for r in runs)]
     lines = [f"## Capacity per front-end core: mmserve against vLLM's API server ({meta['date']})", "",
              f"Command: `{meta['command']}` ({meta['runs']} runs, {meta['duration_s'] / 60:.1f} min).",
-             f"Machine: {meta['machine']}", f"Code: commit {meta['commit']}.",
+             meta["machine"],  # machine, commit and venvs, one line each
              f"Stand-in: `{meta['stand_in']}` on CPU {meta['engine_cpu']}, with the client; each front end alone on CPU "
              f"{meta['front_cpu']}. mmserve: `{meta['serve_command']}`. vLLM: `{meta['vllm_command']}`.", "",
              "### Capacity (closed loop, the best level of the ramp; medians over runs)", "",
