@@ -42,6 +42,19 @@ def _engine_client_placement(config: AppConfig) -> tuple[dict[str, Any], dict[st
     }
 
 
+def _guard_haproxy_ports() -> None:
+    """With HAProxy: start the reaper that leaves no HAProxy behind this Serve however it is stopped
+    (`leftovers.py`); and in the `serve run` process about to start Ray, refuse to start, in one line,
+    while an HAProxy left by an earlier run holds a port it needs."""
+    from . import leftovers
+
+    if os.environ.get(HA_PROXY_FLAG) != "1" or (watched := leftovers.watched_process()) is None:
+        return
+    if watched == os.getpid() and (message := leftovers.leftover_message(wait_s=leftovers.START_UP_WAIT_S)) is not None:
+        raise SystemExit(f"mmserve: {message}")
+    leftovers.start_reaper(watched)
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Build the mmserve application from builder args (see `AppConfig`)."""
     # Imported here so that `import serve_app` stays light for tools and tests.
@@ -54,6 +67,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     from .settings import engine_client_settings, engine_pool_scaling, preprocessor_scaling, preprocessor_settings, serving_settings
 
     config = AppConfig.model_validate(args or {})
+    _guard_haproxy_ports()
     if os.environ.get(HA_PROXY_FLAG) != "1":
         # Said in the `serve run` process, whose output the user watches; Ray starts with it.
         logging.getLogger("ray.serve").warning(

@@ -74,6 +74,8 @@ OWN_CLUSTER_TESTS = {
     "tests/e2e/test_cross_node_pixels.py",
     "tests/e2e/test_serve_run_logs.py",
     "tests/e2e/test_serve_run_ingress_env.py",
+    "tests/e2e/test_serve_run_stops.py",
+    "tests/e2e/test_ingress_replica_loss.py",
 }
 # Own-cluster modules too heavy to share the machine (a multi-node cluster of real vLLM engines beside
 # the whole suite overloads 2 cores: its nodes missed their health checks and were declared dead):

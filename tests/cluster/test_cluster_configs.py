@@ -37,6 +37,15 @@ def test_serve_configs_validate(name, config):
             assert any(app.name.startswith(prefix) for prefix in prefixes), app.name
 
 
+@pytest.mark.parametrize(("name", "config"), _serve_configs(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_mmserve_application_runs_two_ingress_replicas_at_least(name, config):
+    """Losing an ingress replica is then no outage: HAProxy sends new requests to the other."""
+    fronts = [app for app in config["applications"] if app["import_path"] != "serve_app:build_engine_app"]
+    assert fronts
+    for app in fronts:
+        assert AppConfig.model_validate(app.get("args") or {}).ingress_replicas >= 2, f"{name}: {app['name']}"
+
+
 def test_launcher_config_shape():
     config = yaml.safe_load((CLUSTER / "ray-cluster.yaml").read_text())
     assert config["head_node_type"] in config["available_node_types"]

@@ -9,7 +9,14 @@ import pytest
 
 from deployments.pixel_store import OBJECT_REF_ENV
 from deployments.replica_env import INGRESS_REPLICA_ENV, PIXEL_REPLICA_ENV
+from serve_app import leftovers
 from serve_app.builder import HA_PROXY_FLAG, build_app
+
+
+@pytest.fixture(autouse=True)
+def _no_reaper(monkeypatch):
+    """Building here is no `serve run` about to start Ray: no reaper waiting for pytest to end."""
+    monkeypatch.setattr(leftovers, "start_reaper", lambda pid: None)
 
 
 @pytest.mark.parametrize("flag", [None, "1"])
