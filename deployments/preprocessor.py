@@ -23,6 +23,7 @@ from mmserve.fetch import FetchPolicy
 from mmserve.multimodal import ImageBatchRequest, ProcessedImages, load_image_family
 from mmserve.multimodal.errors import ImageInputError, PreprocessorBusyError
 from mmserve.multimodal.preprocessor import ImagePreprocessor, PreprocessorLimits
+from mmserve.openai.body_memory import HeapTrimmer, map_large_blocks_separately
 from mmserve.transit.preprocessing_link import PreprocessorHello
 from mmserve.transit.preprocessing_server import PreprocessingServer
 from mmserve.transit.refusals import Refusal, refusal_of
@@ -116,6 +117,10 @@ class PreprocessorDeployment:
     def __init__(self, settings: PreprocessorSettings) -> None:
         log_package_to_replica()
         self.preprocessor = build_preprocessor(settings)
+        # Decoded pixels in blocks of their own, unmapped when freed; and what the decoding threads'
+        # arenas keep all the same given back once the replica is idle (`_answer`).
+        map_large_blocks_separately()
+        self.heap_trimmer = HeapTrimmer()
         self.admission = ReplicaAdmission(settings.max_ongoing_requests, settings.max_queued_requests)
         self.link = PreprocessingServer(self._answer, node_ip(), RayPixelStore())
         self.replica = replica_ids()[1]
@@ -154,6 +159,9 @@ class PreprocessorDeployment:
         except (ImageInputError, PreprocessorBusyError) as exc:
             logger.info("image refused: %s", str(exc)[:300])
             return refusal_of(exc)
+        finally:
+            if self.admission.load == 0:
+                self.heap_trimmer.request()
 
     async def __del__(self) -> None:
         self.link.close()
