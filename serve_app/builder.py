@@ -52,7 +52,8 @@ def _guard_haproxy_ports() -> None:
         return
     if watched == os.getpid() and (message := leftovers.leftover_message(wait_s=leftovers.START_UP_WAIT_S)) is not None:
         raise SystemExit(f"mmserve: {message}")
-    leftovers.start_reaper(watched)
+    if (failed := leftovers.start_reaper(watched)) is not None:
+        logging.getLogger("ray.serve").warning("mmserve: no reaper for HAProxy left behind by an unclean stop: %s", failed)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

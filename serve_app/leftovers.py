@@ -130,13 +130,17 @@ def reap(pid: int, window_s: float = REAP_WINDOW_S) -> None:
         time.sleep(_LOOK_EVERY_S)
 
 
-def start_reaper(pid: int) -> None:
+def start_reaper(pid: int) -> str | None:
     """The reaper of process `pid`, in a session of its own, no child of this process (Ray ends the
-    children of a worker that exits); it exits at once if `pid` has one already."""
-    subprocess.run(
+    children of a worker that exits); it exits at once if `pid` has one already. Why it could not be
+    started, if it could not (the service runs without it)."""
+    started = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--detach", str(pid)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, timeout=30,
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30,
     )
+    if started.returncode != 0:
+        return started.stderr.decode(errors="replace").strip().splitlines()[-1:][0] if started.stderr.strip() else f"exit {started.returncode}"
+    return None
 
 
 def watched_process() -> int | None:
