@@ -21,6 +21,8 @@ pytestmark = pytest.mark.serve
 def test_readme_quick_start_serves_from_a_fresh_clone(quick_start: QuickStart, tmp_path):
     # It served (the exercise's 200s) with the exact numpy resize that stock Pillow gets.
     assert quick_start.resize_reports == ({"numba-exact"}, "numba-exact", {"numba-exact"})
+    # A reaper watched it, to end the HAProxy an unclean stop would leave behind (serve_app/leftovers.py).
+    assert quick_start.reaper_warnings == [] and len(quick_start.reapers) == 1, (quick_start.reaper_warnings, quick_start.reapers)
     clone, commands = quick_start.clone, quick_start.commands
     # What the quick start's venv holds: the gateway and xgrammar's grammar parser only, and pip is
     # content with it but for the dependencies xgrammar is installed without.

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from tests.support.serve_process import REPO, ServeRunProcess, run_logged
 
@@ -43,6 +44,8 @@ class QuickStart:
     commands: list[str]  # README's quick start commands, as written (the last one serves)
     model: str  # the model id /v1/models named
     resize_reports: tuple[set[str], str, set[str]]  # see resize_path_reports
+    reapers: list[str]  # the reapers of HAProxy left behind (serve_app/leftovers.py) running while it served
+    reaper_warnings: list[str]  # the start-up's lines saying it runs without one
 
     @property
     def bin_dir(self) -> Path:
@@ -190,7 +193,17 @@ def run_quick_start(tmp: Path) -> QuickStart:
         run_readme_examples(clone, tmp)
         model = exercise_with_openai(serve.base_url)
         reports = resize_path_reports(serve)
-    return QuickStart(clone=clone, commands=commands, model=model, resize_reports=reports)
+        reapers = [" ".join(p.cmdline()) for p in psutil.process_iter() if _is_reaper(p, clone)]
+        reaper_warnings = [line for line in serve.log_text().splitlines() if "no reaper" in line]
+    return QuickStart(clone=clone, commands=commands, model=model, resize_reports=reports, reapers=reapers,
+                      reaper_warnings=reaper_warnings)
+
+
+def _is_reaper(process: psutil.Process, clone: Path) -> bool:
+    try:
+        return str(clone / "serve_app" / "leftovers.py") in process.cmdline()
+    except psutil.Error:
+        return False
 
 
 class BackgroundQuickStart:
