@@ -484,25 +484,25 @@ def main() -> None:
         work = Path(tmp)
         model_dir = build_tiny_qwen2_vl(work / MODEL_NAME, seed=0)
         order = lambda run: systems if run % 2 else systems[::-1]  # noqa: E731
-        for run in range(1, args.runs + 1):
-            for name in order(run):
-                print(f"== run {run}, capacity: {name}", flush=True)
-                with System(name, model_dir, work, args, env, port) as system:
-                    runs.append(SystemRun(name, run, "capacity", capacity_ramp(
-                        system.base_url + "/v1/chat/completions", system.meter, CoreMeter(args.front_cpu, args.engine_cpu),
-                        bodies, seconds, args.quick)))
-                save()
+
+        def each_run(part: str, measure: Callable[[Any, int], list]) -> None:
+            """`measure(system, run)` for every run and system, in the run's order."""
+            for run in range(1, args.runs + 1):
+                for name in order(run):
+                    print(f"== run {run}, {part}: {name}", flush=True)
+                    with System(name, model_dir, work, args, env, port) as system:
+                        runs.append(SystemRun(name, run, part, measure(system, run)))
+                    save()
+
+        chat = "/v1/chat/completions"
+        cores = lambda: CoreMeter(args.front_cpu, args.engine_cpu)  # noqa: E731
+        each_run("capacity", lambda system, run: capacity_ramp(
+            system.base_url + chat, system.meter, cores(), bodies, seconds, args.quick))
         for w in WORKLOADS:
             rates[w.name] = min(med([c.rps for r in runs if r.system == s and (c := r.capacity(w.name))]) for s in systems)
         print(f"latency loads from the lower capacity: {rates}", flush=True)
-        for run in range(1, args.runs + 1):
-            for name in order(run):
-                print(f"== run {run}, latency: {name}", flush=True)
-                with System(name, model_dir, work, args, env, port) as system:
-                    runs.append(SystemRun(name, run, "latency", latency_loads(
-                        system.base_url + "/v1/chat/completions", system.meter, CoreMeter(args.front_cpu, args.engine_cpu),
-                        bodies, seconds, rates, run)))
-                save()
+        each_run("latency", lambda system, run: latency_loads(
+            system.base_url + chat, system.meter, cores(), bodies, seconds, rates, run))
     save()
     text = report(runs, meta, rates)
     out.write_text(text)
